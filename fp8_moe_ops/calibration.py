@@ -1,0 +1,59 @@
+"""Static activation scales: calibrate them from sample batches."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from .modules import FP8Experts, FP8Linear
+from .reference import FP8_MAX
+
+
+def _scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
+    """amax -> dequant multiplier ``amax / 448``.  Experts that saw no token (amax 0)
+    take the largest scale of their layer, so they never saturate needlessly."""
+    fallback = amax.max() if amax.numel() and bool((amax > 0).any()) else torch.ones((), device=amax.device)
+    return torch.where(amax > 0, amax, fallback) / FP8_MAX
+
+
+@torch.no_grad()
+def calibrate_static_scales(model: nn.Module, calibration_batches: Iterable) -> nn.Module:
+    """Switches every ``FP8Linear`` / ``FP8Experts`` in ``model`` to static activation scales.
+
+    Runs ``model(*batch)`` for each batch (a tuple of positional arguments, or a single
+    tensor) with the current (dynamic) scheme, records the largest absolute input of
+    every linear and, per expert, of the gate_up and down projections, then sets
+    ``activation_scheme = "static"`` with scale ``amax / 448`` (the dequant multiplier).
+    Returns ``model``, modified in place.
+    """
+    targets = [m for m in model.modules() if isinstance(m, (FP8Linear, FP8Experts))]
+    if not targets:
+        raise ValueError("model: expected a module containing FP8Linear or FP8Experts, found none")
+    for m in targets:
+        if m.activation_scheme != "dynamic":
+            raise ValueError(f"model: expected dynamic-scheme modules to calibrate, got {type(m).__name__} "
+                             f"with activation_scheme={m.activation_scheme!r}")
+        device = m.weight.device if isinstance(m, FP8Linear) else m.gate_up_proj.device
+        shape = () if isinstance(m, FP8Linear) else (2, m.num_experts)
+        m._observer = torch.zeros(shape, device=device)
+    seen = 0
+    try:
+        for batch in calibration_batches:
+            model(*batch) if isinstance(batch, (tuple, list)) else model(batch)
+            seen += 1
+        if seen == 0:
+            raise ValueError("calibration_batches: expected at least one batch, got none")
+        for m in targets:
+            scales = _scale_from_amax(m._observer)
+            if isinstance(m, FP8Linear):
+                m.activation_scale = nn.Parameter(scales.reshape(1), requires_grad=False)
+            else:
+                m.gate_up_proj_activation_scale = nn.Parameter(scales[0].contiguous(), requires_grad=False)
+                m.down_proj_activation_scale = nn.Parameter(scales[1].contiguous(), requires_grad=False)
+            m.activation_scheme = "static"
+    finally:
+        for m in targets:
+            m._observer = None
+    return model

@@ -1,0 +1,1 @@
+"""The MoE-loop graph pass (installed as ``fp8_moe_ops.passes``)."""
