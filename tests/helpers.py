@@ -1,0 +1,107 @@
+"""Builders of random fp8 MoE inputs shared by the tests (no assertions here)."""
+
+from __future__ import annotations
+
+import torch
+
+import fp8_moe_ops
+from fp8_moe_ops import reference
+
+# Relative error bound of an output rounded to each dtype, against float64 on the same
+# dequantised operands: a few units of the dtype's rounding (2^-8 bf16, 2^-11 fp16),
+# far below what any indexing or scaling bug produces (errors of order 1).
+REL_BOUND = {torch.bfloat16: 1.6e-2, torch.float16: 2e-3, torch.float32: 1e-5}
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    denom = ref.norm().item()
+    return (out - ref).norm().item() / denom if denom else (out - ref).norm().item()
+
+
+def make_expert_weights(E, N, K, block_size, scale_dtype=torch.float32, per_tensor=False, std=0.1, gen=None):
+    """Random (E, N, K) weights quantised by this package (or per-tensor, (E, 1, 1))."""
+    w = torch.randn(E, N, K, generator=gen) * std
+    if not per_tensor:
+        return fp8_moe_ops.quantize_weight(w, block_size, scale_dtype)
+    amax = w.abs().amax(dim=(1, 2), keepdim=True)
+    scale = amax / reference.FP8_MAX
+    if scale_dtype == torch.float8_e8m0fnu:
+        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+    q = (w / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return q, scale.to(scale_dtype)
+
+
+def make_routing(T, k, E, kind="uniform", gen=None):
+    """top_k_index (T, k) int64 and top_k_weights (T, k) float32.
+
+    kinds: uniform (distinct experts per token), one (all tokens on expert 0),
+    skip0 (expert 0 gets no token), sentinel (some ids outside [0, E): -1 and E+3)."""
+    if kind == "one":
+        idx = torch.zeros(T, k, dtype=torch.long)
+    else:
+        scores = torch.rand(T, E, generator=gen)
+        if kind == "skip0":
+            scores[:, 0] = -1
+        idx = torch.topk(scores, min(k, E), dim=1).indices
+        if k > E:  # expert parallelism: the extra slots are remote experts (sentinels)
+            idx = torch.cat([idx, torch.full((T, k - E), E + 1)], dim=1)
+        if kind == "sentinel" and T:
+            idx[::2, 0] = -1
+            idx[1::3, -1] = E + 3
+    weights = torch.rand(T, k, generator=gen)
+    return idx, weights
+
+
+def make_experts_inputs(T, E, H, I, k, block_size, dtype=torch.bfloat16, scale_dtype=torch.float32,
+                        static=False, routing="uniform", per_tensor=False, seed=0):
+    """Everything ``torch.ops.fp8_moe.grouped_experts`` takes, as a dict of kwargs."""
+    gen = torch.Generator().manual_seed(seed)
+    gu, gus = make_expert_weights(E, 2 * I, H, block_size, scale_dtype, per_tensor, gen=gen)
+    dp, dps = make_expert_weights(E, H, I, block_size, scale_dtype, per_tensor, gen=gen)
+    hidden = torch.randn(T, H, generator=gen).to(dtype)
+    idx, weights = make_routing(T, k, E, routing, gen=gen)
+    args = dict(hidden=hidden, top_k_index=idx, top_k_weights=weights, gate_up_proj=gu, gate_up_scale_inv=gus,
+                down_proj=dp, down_scale_inv=dps, block_size=list(block_size))
+    if static:
+        # Plausible calibrated scales: amax/448 of a unit normal is ~ 4/448; the
+        # intermediate activation is smaller.
+        args["gate_up_act_scale"] = torch.rand(E, generator=gen) * 0.01 + 0.005
+        args["down_act_scale"] = torch.rand(E, generator=gen) * 0.002 + 0.0005
+    return args
+
+
+def experts_float64(hidden, top_k_index, top_k_weights, gate_up_proj, gate_up_scale_inv, down_proj, down_scale_inv,
+                    block_size, activation="silu", gate_up_act_scale=None, down_act_scale=None, swiglu_limit=None):
+    """The whole expert forward in float64 on the dequantised weights, one token and
+    slot at a time, with the activation quantisation and the intermediate roundings of
+    DESIGN.md but float64 products and sums: the accuracy yardstick."""
+    T, k = top_k_index.shape
+    E = gate_up_proj.shape[0]
+    bk = block_size[1]
+    out = torch.zeros(hidden.shape, dtype=torch.float64)
+
+    def qdq(x, static_scale):
+        if static_scale is None:
+            q, s = reference.quantize_act_dynamic(x, bk)
+            return reference.dequantize_act(q, s, bk).double()
+        return reference.quantize_act_static(x, static_scale).double() * static_scale.double()
+
+    for t in range(T):
+        for j in range(k):
+            e = int(top_k_index[t, j])
+            if not 0 <= e < E:
+                continue
+            wg = reference.dequantize_weight(gate_up_proj[e], gate_up_scale_inv[e], block_size).double()
+            wd = reference.dequantize_weight(down_proj[e], down_scale_inv[e], block_size).double()
+            x = qdq(hidden[t : t + 1], None if gate_up_act_scale is None else gate_up_act_scale[e])
+            gate, up = (x @ wg.t()).to(hidden.dtype).double().chunk(2, dim=-1)
+            if swiglu_limit is not None:
+                gate, up = gate.clamp(max=swiglu_limit), up.clamp(-swiglu_limit, swiglu_limit)
+            act = {"silu": torch.nn.functional.silu, "relu": torch.relu,
+                   "gelu": torch.nn.functional.gelu,
+                   "gelu_tanh": lambda g: torch.nn.functional.gelu(g, approximate="tanh")}[activation]
+            a = act(gate) * up
+            a = qdq(a.to(hidden.dtype), None if down_act_scale is None else down_act_scale[e])
+            out[t] += (a @ wd.t())[0].to(hidden.dtype).double() * float(top_k_weights[t, j])
+    return out

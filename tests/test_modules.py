@@ -1,0 +1,112 @@
+"""FP8Linear, FP8Experts, calibration, torch.export + AOTInductor."""
+
+import pytest
+import torch
+from torch import nn
+
+import fp8_moe_ops
+from fp8_moe_ops import FP8Experts, FP8Linear
+
+from helpers import rel_err
+
+
+def _float_experts(E=6, H=96, I=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(E, 2 * I, H, generator=g) * 0.1, torch.randn(E, H, I, generator=g) * 0.1
+
+
+def _routing(T, E, k, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    w, idx = torch.topk(torch.softmax(torch.randn(T, E, generator=g), -1), k)
+    return idx, w
+
+
+def test_fp8_linear_from_float_and_shapes():
+    lin = nn.Linear(200, 72, bias=True)
+    q = FP8Linear.from_float(lin, block_size=(64, 64), scale_dtype=torch.float8_e8m0fnu)
+    assert q.weight.dtype == torch.float8_e4m3fn and q.weight.shape == (72, 200)
+    assert q.weight_scale_inv.shape == (2, 4) and q.weight_scale_inv.dtype == torch.float8_e8m0fnu
+    assert q.activation_scale is None
+    x = torch.randn(2, 3, 200)
+    y = q(x)
+    assert y.shape == (2, 3, 72)
+    assert rel_err(y, lin(x).detach()) < 0.08
+
+
+def test_fp8_linear_static_calibration():
+    lin = FP8Linear.from_float(nn.Linear(64, 32, bias=False), block_size=(32, 32))
+    x = torch.randn(10, 64)
+    fp8_moe_ops.calibrate_static_scales(lin, [x])
+    assert lin.activation_scheme == "static" and lin.activation_scale.shape == (1,)
+    torch.testing.assert_close(lin.activation_scale, x.abs().amax().reshape(1) / 448)
+    assert rel_err(lin(x), x @ fp8_moe_ops.reference.dequantize_weight(lin.weight, lin.weight_scale_inv, [32, 32]).t()) < 0.08
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_fp8_experts_close_to_float_moe(activation):
+    gu, dp = _float_experts()
+    m = FP8Experts.from_float(gu, dp, block_size=(32, 32), activation=activation)
+    hidden = torch.randn(12, 96)
+    idx, w = _routing(12, 6, 2)
+    out = m(hidden, idx, w)
+    # float MoE on the unquantised weights
+    act = {"silu": torch.nn.functional.silu, "gelu_tanh": lambda g: torch.nn.functional.gelu(g, approximate="tanh")}[activation]
+    ref = torch.zeros(12, 96)
+    for t in range(12):
+        for j in range(2):
+            e = idx[t, j]
+            gate, up = (gu[e] @ hidden[t]).chunk(2)
+            ref[t] += w[t, j] * (dp[e] @ (act(gate) * up))
+    assert rel_err(out, ref) < 0.1
+
+
+def test_fp8_experts_static_calibration_and_dispatches():
+    gu, dp = _float_experts()
+    m = FP8Experts.from_float(gu, dp, block_size=(32, 32))
+    hidden = torch.randn(20, 96)
+    idx, w = _routing(20, 6, 2)
+    dynamic = m(hidden, idx, w)
+    fp8_moe_ops.calibrate_static_scales(m, [(hidden, idx, w)])
+    assert m.activation_scheme == "static"
+    assert m.gate_up_proj_activation_scale.shape == (6,) and m.down_proj_activation_scale.shape == (6,)
+    outs = {}
+    for d in ("eager", "grouped", "batched"):
+        m.dispatch = d
+        outs[d] = m(hidden, idx, w)
+    assert torch.equal(outs["eager"], outs["grouped"]) and torch.equal(outs["grouped"], outs["batched"])
+    assert rel_err(outs["grouped"], dynamic) < 0.1  # calibrated static close to dynamic
+
+
+def test_calibration_expert_without_tokens_takes_layer_max():
+    gu, dp = _float_experts(E=4)
+    m = FP8Experts.from_float(gu, dp, block_size=(32, 32))
+    idx = torch.tensor([[0, 1], [1, 2]])  # expert 3 never routed
+    fp8_moe_ops.calibrate_static_scales(m, [(torch.randn(2, 96), idx, torch.ones(2, 2))])
+    s = m.gate_up_proj_activation_scale
+    assert s[3] == s[:3].max() and (s > 0).all()
+
+
+def test_module_argument_errors():
+    with pytest.raises(ValueError, match="dispatch: expected one of"):
+        FP8Experts(4, 64, 32, dispatch="loop")
+    with pytest.raises(ValueError, match="activation_scheme: expected one of"):
+        FP8Linear(64, 32, activation_scheme="tensor")
+    with pytest.raises(ValueError, match="no FP8Linear or FP8Experts|found none"):
+        fp8_moe_ops.calibrate_static_scales(nn.Linear(2, 2), [torch.randn(1, 2)])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("static", [False, True])
+def test_export_aoti_package_matches_eager(tmp_path, static):
+    torch.manual_seed(0)
+    gu, dp = _float_experts(E=5, H=64, I=32)
+    m = FP8Experts.from_float(gu, dp, block_size=(32, 32), dispatch="grouped")
+    hidden = torch.randn(7, 64, dtype=torch.bfloat16)
+    idx, w = _routing(7, 5, 2)
+    if static:
+        fp8_moe_ops.calibrate_static_scales(m, [(hidden, idx, w)])
+    ep = torch.export.export(m, (hidden, idx, w))
+    assert "fp8_moe.grouped_experts" in str(ep.graph)
+    path = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / "experts.pt2"))
+    loaded = torch._inductor.aoti_load_package(path)
+    assert torch.equal(loaded(hidden, idx, w), m(hidden, idx, w))

@@ -1,0 +1,226 @@
+"""The fp8_moe ops on CPU: numerics against float64, agreement of the dispatches,
+sentinels and empty inputs, opcheck, torch.compile."""
+
+import pytest
+import torch
+
+import fp8_moe_ops
+from fp8_moe_ops import reference
+
+from helpers import REL_BOUND, experts_float64, make_expert_weights, make_experts_inputs, rel_err
+
+OPS = torch.ops.fp8_moe
+
+
+def _gemm_float64(x, w, ws, block, act_scale):
+    """x @ w^T in float64 on the dequantised operands (activation quantised as the op does)."""
+    bk = block[1]
+    if act_scale is None:
+        q, s = reference.quantize_act_dynamic(x, bk)
+        xd = reference.dequantize_act(q, s, bk)
+    else:
+        xd = reference.quantize_act_static(x, act_scale).float() * act_scale
+    return xd.double() @ reference.dequantize_weight(w, ws, block).double().t()
+
+
+# (M, N, K, block): what each probes
+LINEAR_SHAPES = [
+    (1, 128, 128, [128, 128]),   # T = 1, one block
+    (5, 200, 300, [128, 128]),   # M < block, N and K not multiples of 128
+    (64, 96, 72, [32, 32]),      # ragged K tail with small blocks
+    (0, 64, 64, [128, 128]),     # T = 0
+]
+
+
+@pytest.mark.parametrize("M,N,K,block", LINEAR_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.float8_e8m0fnu])
+@pytest.mark.parametrize("static", [False, True])
+def test_linear_against_float64(M, N, K, block, dtype, scale_dtype, static):
+    w, ws = make_expert_weights(1, N, K, block, scale_dtype)
+    x = torch.randn(M, K).to(dtype)
+    act = torch.tensor([0.01]) if static else None
+    out = OPS.linear(x, w[0], ws[0], block, act)
+    assert out.shape == (M, N) and out.dtype == dtype and out.is_contiguous()
+    if M:
+        ref = _gemm_float64(x, w[0], ws[0], block, act)
+        assert rel_err(out, ref) < REL_BOUND[dtype]
+        # and the fp8 recipe itself is close to the unquantised product
+        exact = x.double() @ reference.dequantize_weight(w[0], ws[0], block).double().t()
+        assert rel_err(out, exact) < 0.08
+
+
+def test_linear_out_dtype_and_per_tensor_scale():
+    w, ws = make_expert_weights(1, 200, 160, [128, 128], per_tensor=True)  # (1, 1) grid on a 2x2-block matrix
+    x = torch.randn(3, 160, dtype=torch.bfloat16)
+    out = OPS.linear(x, w[0], ws[0], [128, 128], None, torch.float32)
+    assert out.dtype == torch.float32
+    assert rel_err(out, _gemm_float64(x, w[0], ws[0], [128, 128], None)) < REL_BOUND[torch.float32]
+
+
+def _offsets(counts):
+    return torch.tensor(counts).cumsum(0).to(torch.int32)
+
+
+@pytest.mark.parametrize("counts,S", [
+    ([3, 0, 5, 1, 2, 0, 4], 15),   # prime E = 7, empty experts; the last 0 rows fill S exactly
+    ([0, 0, 6], 9),                # rows past offsets[-1] belong to no expert: zeros
+    ([0, 0, 0], 4),                # no row has an expert
+    ([1], 1),                      # T = 1
+    ([0, 0], 0),                   # S = 0
+])
+@pytest.mark.parametrize("static", [False, True])
+def test_grouped_and_batched_mm(counts, S, static):
+    E, N, K, block = len(counts), 72, 200, [128, 128]
+    w, ws = make_expert_weights(E, N, K, block, torch.float8_e8m0fnu)
+    x = torch.randn(S, K, dtype=torch.bfloat16)
+    act = torch.rand(E) * 0.01 + 0.005 if static else None
+    offsets = _offsets(counts)
+    out = OPS.grouped_mm(x, w, ws, offsets, block, act)
+    assert out.shape == (S, N) and out.dtype == x.dtype
+    ids = torch.full((S,), E + 2, dtype=torch.long)  # sentinel for rows of no expert
+    start = 0
+    for e, end in enumerate(offsets.tolist()):
+        ids[start:end] = e
+        if end > start:
+            ref = _gemm_float64(x[start:end], w[e], ws[e], block, None if act is None else act[e])
+            assert rel_err(out[start:end], ref) < REL_BOUND[x.dtype]
+        start = end
+    assert torch.equal(out[start:], torch.zeros_like(out[start:]))
+    # batched with the same rows in a shuffled order gives the same rows, bitwise
+    perm = torch.randperm(S)
+    outb = OPS.batched_mm(x[perm], w, ws, ids[perm], block, act)
+    assert torch.equal(outb, out[perm])
+
+
+def test_batched_mm_negative_sentinel_rows_are_zero():
+    w, ws = make_expert_weights(3, 64, 64, [32, 32])
+    x = torch.randn(4, 64)
+    out = OPS.batched_mm(x, w, ws, torch.tensor([-1, 1, 3, 1], dtype=torch.int32), [32, 32])
+    assert torch.equal(out[[0, 2]], torch.zeros(2, 64)) and out[[1, 3]].abs().sum() > 0
+
+
+# (T, E, H, I, k, block, routing): what each probes
+EXPERT_CASES = [
+    (1, 4, 128, 64, 2, [128, 128], "uniform"),       # T = 1 (decode)
+    (0, 4, 64, 32, 2, [32, 32], "uniform"),          # T = 0
+    (5, 7, 200, 72, 2, [128, 128], "uniform"),       # prime E, T < block, H and I not multiples of 128
+    (9, 5, 96, 48, 1, [32, 32], "skip0"),            # top_k = 1, an expert with no tokens
+    (6, 3, 64, 40, 2, [32, 32], "one"),              # all tokens on one expert (both slots)
+    (8, 11, 64, 32, 8, [32, 32], "sentinel"),        # top_k = 8, prime E, sentinel ids -1 and E + 3
+    (4, 3, 64, 32, 5, [16, 32], "uniform"),          # top_k > E: expert parallelism, extra slots remote
+]
+
+
+@pytest.mark.parametrize("T,E,H,I,k,block,routing", EXPERT_CASES)
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.float8_e8m0fnu])
+def test_experts_dispatches_agree(T, E, H, I, k, block, routing, static, scale_dtype):
+    args = make_experts_inputs(T, E, H, I, k, block, scale_dtype=scale_dtype, static=static, routing=routing)
+    grouped = OPS.grouped_experts(**args)
+    batched = OPS.batched_experts(**args)
+    assert grouped.shape == (T, H) and grouped.dtype == args["hidden"].dtype
+    mod = fp8_moe_ops.FP8Experts(E, H, I, block, activation_scheme="static" if static else "dynamic",
+                                 scale_dtype=scale_dtype)
+    mod.gate_up_proj.data, mod.gate_up_proj_scale_inv.data = args["gate_up_proj"], args["gate_up_scale_inv"]
+    mod.down_proj.data, mod.down_proj_scale_inv.data = args["down_proj"], args["down_scale_inv"]
+    if static:
+        mod.gate_up_proj_activation_scale.data = args["gate_up_act_scale"]
+        mod.down_proj_activation_scale.data = args["down_act_scale"]
+    eager = mod(args["hidden"], args["top_k_index"], args["top_k_weights"])
+    # On CPU the three share the per-expert GEMM and the combine order: bitwise equal.
+    assert torch.equal(grouped, batched) and torch.equal(grouped, eager)
+    if T:
+        assert not torch.isnan(grouped).any()
+        assert rel_err(grouped, experts_float64(**args)) < REL_BOUND[torch.bfloat16]
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu", "gelu_tanh", "relu"])
+@pytest.mark.parametrize("swiglu_limit", [None, 0.05])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_experts_activations(activation, swiglu_limit, dtype):
+    args = make_experts_inputs(6, 4, 64, 32, 2, [32, 32], dtype=dtype)
+    args.update(activation=activation, swiglu_limit=swiglu_limit)
+    out = OPS.grouped_experts(**args)
+    assert torch.equal(out, OPS.batched_experts(**args))
+    assert rel_err(out, experts_float64(**args)) < REL_BOUND[dtype] * 2
+
+
+def test_gelu_and_gelu_tanh_differ():
+    # The pass must keep them apart; make sure the ops do too.
+    args = make_experts_inputs(16, 4, 64, 32, 2, [32, 32], dtype=torch.float32)
+    a = OPS.grouped_experts(**args, activation="gelu")
+    b = OPS.grouped_experts(**args, activation="gelu_tanh")
+    assert not torch.equal(a, b)
+
+
+def test_swiglu_limit_clamps():
+    args = make_experts_inputs(8, 4, 64, 32, 2, [32, 32], dtype=torch.float32)
+    free = OPS.grouped_experts(**args)
+    tight = OPS.grouped_experts(**args, swiglu_limit=1e-3)
+    assert tight.abs().max() < free.abs().max()
+
+
+def test_zero_hidden_rows_and_nan_isolation():
+    args = make_experts_inputs(6, 4, 64, 32, 2, [32, 32])
+    args["hidden"][0] = 0  # all-zero groups: scale 0, output exactly 0
+    args["hidden"][3, 7] = float("nan")
+    out = OPS.grouped_experts(**args)
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+    assert torch.isnan(out[3]).any()
+    assert not torch.isnan(out[[0, 1, 2, 4, 5]]).any()
+
+
+def test_deterministic():
+    args = make_experts_inputs(33, 5, 96, 48, 4, [32, 32])
+    assert torch.equal(OPS.grouped_experts(**args), OPS.grouped_experts(**args))
+
+
+def _opcheck(op, args, kwargs=None):
+    # test_schema needs allclose, which torch does not implement for float8 on CPU.
+    torch.library.opcheck(op, args, kwargs or {},
+                          test_utils=("test_faketensor", "test_aot_dispatch_dynamic", "test_autograd_registration"))
+
+
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("T", [0, 1, 7])
+def test_opcheck_all_ops(static, T):
+    a = make_experts_inputs(T, 5, 64, 48, 2, [32, 32], static=static, scale_dtype=torch.float8_e8m0fnu)
+    gu, gus = a["gate_up_proj"], a["gate_up_scale_inv"]
+    act = a.get("gate_up_act_scale")
+    x = a["hidden"]
+    _opcheck(OPS.linear.default, (x, gu[1], gus[1], [32, 32], None if act is None else act[1:2]))
+    offsets = _offsets([T // 2, 0, T - T // 2, 0, 0])
+    _opcheck(OPS.grouped_mm.default, (x, gu, gus, offsets, [32, 32], act))
+    ids = torch.randint(-1, 6, (T,))
+    _opcheck(OPS.batched_mm.default, (x, gu, gus, ids, [32, 32], act, torch.float32))
+    exp_args = tuple(a[k] for k in ("hidden", "top_k_index", "top_k_weights", "gate_up_proj",
+                                     "gate_up_scale_inv", "down_proj", "down_scale_inv", "block_size"))
+    kwargs = {k: a[k] for k in ("gate_up_act_scale", "down_act_scale") if k in a}
+    _opcheck(OPS.grouped_experts.default, exp_args, dict(kwargs, activation="gelu_tanh"))
+    _opcheck(OPS.batched_experts.default, exp_args, dict(kwargs, swiglu_limit=7.0))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("static", [False, True])
+def test_compile_fullgraph_each_op(static):
+    torch._dynamo.reset()
+    a = make_experts_inputs(6, 3, 64, 32, 2, [32, 32], static=static)
+    act = a.get("gate_up_act_scale")
+    offsets = _offsets([2, 0, 3])
+    ids = torch.tensor([0, 2, 1, 5, 2, 0])
+
+    def f(a):
+        x, gu, gus = a["hidden"], a["gate_up_proj"], a["gate_up_scale_inv"]
+        return (
+            OPS.linear(x, gu[0], gus[0], [32, 32], None if act is None else act[0]),
+            OPS.grouped_mm(x, gu, gus, offsets, [32, 32], act),
+            OPS.batched_mm(x, gu, gus, ids, [32, 32], act),
+            OPS.grouped_experts(**a),
+            OPS.batched_experts(**a),
+        )
+
+    eager = f(a)
+    compiled = torch.compile(f, fullgraph=True)(a)
+    for e, c in zip(eager, compiled):
+        assert torch.equal(e, c)

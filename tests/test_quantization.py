@@ -1,0 +1,94 @@
+"""Quantisation: compared bitwise with torch's own casts."""
+
+import pytest
+import torch
+
+import fp8_moe_ops
+from fp8_moe_ops import reference
+
+E4M3 = torch.float8_e4m3fn
+
+
+def _groups(x, bk):
+    # (M, K) -> list of (M, <=bk) column groups
+    return list(torch.split(x.float(), bk, dim=1))
+
+
+@pytest.mark.parametrize("M,K,bk", [
+    (1, 128, 128),   # one token, one group
+    (5, 200, 128),   # K not a multiple of the group: tail group of 72
+    (3, 7, 4),       # tiny groups, ragged tail
+    (0, 64, 32),     # T = 0
+])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_dynamic_quantisation_matches_torch_cast(M, K, bk, dtype):
+    x = (torch.randn(M, K) * 3).to(dtype)
+    q, s = reference.quantize_act_dynamic(x, bk)
+    assert q.dtype == E4M3 and s.dtype == torch.float32
+    assert q.shape == (M, K) and s.shape == (M, -(-K // bk))
+    for g, xg in enumerate(_groups(x, bk)):
+        scale = xg.abs().amax(dim=1, keepdim=True) / 448.0 if M else torch.empty(0, 1)
+        torch.testing.assert_close(s[:, g : g + 1], scale, rtol=0, atol=0)
+        expected = (xg / scale).to(E4M3)  # torch's own (IEEE) division and cast
+        lo = g * bk
+        assert torch.equal(q[:, lo : lo + xg.shape[1]].view(torch.uint8), expected.view(torch.uint8))
+
+
+def test_dynamic_quantisation_edge_values():
+    x = torch.randn(4, 64)
+    x[0, :32] = 0  # all-zero group: scale 0, zeros, no NaN
+    x[1, 5] = float("nan")  # NaN stays in its own row and group
+    x[2, 40] = 1e30  # huge value: its group saturates nothing (scale follows amax)
+    q, s = reference.quantize_act_dynamic(x, 32)
+    assert s[0, 0] == 0 and torch.equal(q[0, :32].float(), torch.zeros(32))
+    assert torch.isnan(s[1, 0]) and torch.isnan(q[1, :32].float()).all()
+    assert not torch.isnan(q[[0, 2, 3]].float()).any() and not torch.isnan(q[1, 32:].float()).any()
+    assert q[2, 40].float() == 448
+    deq = reference.dequantize_act(q, s, 32)
+    assert torch.equal(deq[0, :32], torch.zeros(32))
+
+
+def test_static_quantisation_saturates_inf_and_keeps_nan():
+    x = torch.tensor([[1.0, float("inf"), -float("inf"), float("nan"), 1e6, 0.3]])
+    q = reference.quantize_act_static(x, torch.tensor(0.5)).float()
+    assert q[0, 0] == 2 and q[0, 1] == 448 and q[0, 2] == -448 and torch.isnan(q[0, 3]) and q[0, 4] == 448
+    assert q[0, 5] == torch.tensor(0.6).to(E4M3).float()
+
+
+@pytest.mark.parametrize("shape,block", [
+    ((256, 384), (128, 128)),    # exact blocks
+    ((200, 300), (128, 128)),    # N, K not multiples of 128
+    ((3, 130, 70), (64, 32)),    # stacked experts, ragged both ways
+])
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.float8_e8m0fnu])
+def test_quantize_weight(shape, block, scale_dtype):
+    w = torch.randn(shape) * 0.05
+    w[..., :block[0], :block[1]] = 0  # an all-zero block
+    q, s = fp8_moe_ops.quantize_weight(w, block, scale_dtype)
+    grid = (-(-shape[-2] // block[0]), -(-shape[-1] // block[1]))
+    assert q.dtype == E4M3 and q.shape == w.shape
+    assert s.dtype == scale_dtype and s.shape == tuple(shape[:-2]) + grid
+    sf = s.float()
+    assert (sf > 0).all()
+    full = reference._expand_scale_grid(sf, shape[-2:], block)
+    # bitwise: the stored fp8 is torch's cast of w / its block scale
+    assert torch.equal(q.view(torch.uint8), (w / full).clamp(-448, 448).to(E4M3).view(torch.uint8))
+    if scale_dtype == torch.float8_e8m0fnu:
+        assert torch.equal(torch.log2(sf), torch.log2(sf).round())  # powers of two
+        assert (q.float().abs() <= 448).all() and ((w / full).abs() <= 448).all()  # nothing saturates
+    deq = reference.dequantize_weight(q, s, block)
+    assert torch.equal(deq[..., :block[0], :block[1]], torch.zeros_like(deq[..., :block[0], :block[1]]))
+    assert ((deq - w).norm() / w.norm()).item() < 0.05  # e4m3 keeps 3 mantissa bits
+
+
+@pytest.mark.parametrize("bad,exc,match", [
+    (dict(w=torch.zeros(4, 4, dtype=torch.int32)), TypeError, "w: expected a float32"),
+    (dict(w=torch.zeros(4)), ValueError, "w: expected a 2-D"),
+    (dict(block_size=(0, 128)), ValueError, "block_size"),
+    (dict(scale_dtype=torch.float16), TypeError, "scale_dtype"),
+    (dict(w=torch.full((4, 4), float("nan"))), ValueError, "finite"),
+])
+def test_quantize_weight_rejects_bad_input(bad, exc, match):
+    kwargs = dict(w=torch.randn(4, 4), block_size=(128, 128), scale_dtype=torch.float32) | bad
+    with pytest.raises(exc, match=match):
+        fp8_moe_ops.quantize_weight(**kwargs)
