@@ -1,0 +1,82 @@
+"""Packaging and the layout's import directions (DESIGN.md, "Layout")."""
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PKG = ROOT / "fp8_moe_ops"
+
+
+def _imported_modules(path: Path) -> set[str]:
+    """Absolute names of the package modules a file imports (relative imports resolved)."""
+    tree = ast.parse(path.read_text())
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = list(rel.parts)
+    if parts[0] == "passes":
+        parts = ["fp8_moe_ops", *parts]
+    package = parts[:-1] if parts[-1] != "__init__" else parts[:-1]
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else []
+            mod = ".".join(base + ([node.module] if node.module else []))
+            names.add(mod)
+            names.update(f"{mod}.{a.name}" for a in node.names)
+    return names
+
+
+def _files(*rel):
+    out = []
+    for r in rel:
+        p = ROOT / r
+        out += [p] if p.is_file() else sorted(p.rglob("*.py"))
+    return out
+
+
+@pytest.mark.parametrize("path", _files("fp8_moe_ops/reference.py", "fp8_moe_ops/kernels"), ids=str)
+def test_kernels_and_reference_import_no_modules_integrations_or_pass(path):
+    bad = ("fp8_moe_ops.modules", "fp8_moe_ops.integrations", "fp8_moe_ops.passes", "fp8_moe_ops.ops")
+    imported = _imported_modules(path)
+    assert not [m for m in imported if m.startswith(bad)], imported
+
+
+def test_reference_imports_nothing_of_the_package():
+    assert not [m for m in _imported_modules(PKG / "reference.py") if m.startswith("fp8_moe_ops")]
+
+
+@pytest.mark.parametrize("path", _files("fp8_moe_ops"), ids=str)
+def test_package_never_imports_the_pass_bench_or_tests(path):
+    imported = _imported_modules(path)
+    allowed_pass_users = ("__main__.py",)  # the demo is the pass's own entry point
+    bad = ["bench", "tests"] + ([] if path.name in allowed_pass_users else ["fp8_moe_ops.passes"])
+    assert not [m for m in imported if any(m == b or m.startswith(b + ".") for b in bad)], imported
+
+
+def test_import_is_light():
+    # The CPU paths need neither Triton nor transformers at import time.
+    code = "import sys, fp8_moe_ops; print(sorted(m for m in ('triton', 'transformers') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+@pytest.mark.slow
+def test_regular_install_provides_passes(tmp_path):
+    """A non-editable install maps the top-level passes/ folder to fp8_moe_ops.passes."""
+    target = tmp_path / "site"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target", str(target), str(ROOT)],
+        check=True, capture_output=True,
+    )
+    code = "import fp8_moe_ops.passes as p, fp8_moe_ops as f; print(p.__file__); print(f.__file__)"
+    env = dict(os.environ, PYTHONPATH=str(target))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env, cwd=tmp_path)
+    passes_file, pkg_file = out.stdout.split()
+    assert passes_file.startswith(str(target)) and pkg_file.startswith(str(target))
+    assert (target / "fp8_moe_ops" / "passes" / "__init__.py").exists()
