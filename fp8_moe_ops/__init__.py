@@ -6,8 +6,9 @@ Triton kernels, fake kernels).  See ``docs/ops.md`` for each op's contract.
 
 from . import ops  # noqa: F401  (registers torch.ops.fp8_moe.*)
 from .calibration import calibrate_static_scales
+from .integrations.convert import convert_linears
 from .modules import FP8Experts, FP8Linear
 from .quantization import quantize_weight
 
-__all__ = ["FP8Experts", "FP8Linear", "calibrate_static_scales", "quantize_weight"]
+__all__ = ["FP8Experts", "FP8Linear", "calibrate_static_scales", "convert_linears", "quantize_weight"]
 __version__ = "0.1.0"

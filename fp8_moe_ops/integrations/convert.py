@@ -1,0 +1,114 @@
+"""``convert_linears``: swap a model's linear layers for :class:`fp8_moe_ops.FP8Linear`.
+
+Made for existing models whose MoE block is a Python loop over ``nn.ModuleList`` experts
+(the Mixtral / Qwen2-MoE style of transformers 4.x and of many research code bases):
+after conversion every expert projection calls ``torch.ops.fp8_moe.linear``, which is
+what the graph pass (``fp8_moe_ops.passes``) recognises and rewrites into one grouped op.
+
+transformers is not imported here.  Its own ``FP8Linear`` (FineGrainedFP8 models) is
+recognised only when ``transformers.integrations.finegrained_fp8`` is already loaded,
+which it must be for such a module to exist.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from ..modules import FP8Linear
+
+__all__ = ["convert_linears"]
+
+logger = logging.getLogger(__name__)
+
+
+def _transformers_fp8_linear_class() -> type | None:
+    module = sys.modules.get("transformers.integrations.finegrained_fp8")
+    return getattr(module, "FP8Linear", None)
+
+
+def _frozen_view(t: torch.Tensor, shape: Sequence[int] | None = None) -> nn.Parameter:
+    """A parameter sharing ``t``'s storage (no copy), reshaped by a view when asked."""
+    t = t.detach()
+    return nn.Parameter(t if shape is None else t.view(*shape), requires_grad=False)
+
+
+def _from_transformers_fp8(tf_linear: nn.Linear) -> FP8Linear:
+    """transformers ``FP8Linear`` -> ``FP8Linear`` sharing its fp8 weight, scales and bias."""
+    w, scale = tf_linear.weight, tf_linear.weight_scale_inv
+    out_features, in_features = w.shape
+    if tf_linear.block_size is None:
+        # Per-tensor weights: one scale (shape ()) = a (1, 1) grid; transformers quantises
+        # dynamic activations per token over the whole row, i.e. a group of K = in_features.
+        block_size, grid = [out_features, in_features], (1, 1)
+    else:
+        block_size, grid = [int(b) for b in tf_linear.block_size], None
+    scheme = getattr(tf_linear, "activation_scheme", "dynamic")
+    has_bias = tf_linear.bias is not None
+    # Built on "meta" so that no weight-sized zeros are allocated before sharing.
+    mod = FP8Linear(in_features, out_features, block_size, scheme, scale.dtype, bias=has_bias, device="meta")
+    mod.weight = _frozen_view(w)
+    mod.weight_scale_inv = _frozen_view(scale, grid)
+    if scheme == "static":
+        mod.activation_scale = _frozen_view(tf_linear.activation_scale, (1,))
+    if has_bias:
+        mod.bias = _frozen_view(tf_linear.bias)
+    return mod
+
+
+def _convert(module: nn.Module, tf_class: type | None, block_size: Sequence[int], scale_dtype: torch.dtype) -> FP8Linear | None:
+    if tf_class is not None and isinstance(module, tf_class):
+        if module.weight.dtype == torch.float8_e4m3fn:
+            return _from_transformers_fp8(module)
+        if module.weight.dtype == torch.int8:
+            raise NotImplementedError("weight: FP4-packed (int8) transformers FP8Linear weights are not supported")
+        # A dequantised FineGrainedFP8 model (dequantize=True) holds plain float weights.
+        return FP8Linear.from_float(module, block_size, scale_dtype)
+    if type(module) is nn.Linear:
+        return FP8Linear.from_float(module, block_size, scale_dtype)
+    return None
+
+
+def convert_linears(
+    model: nn.Module,
+    skip: Sequence[str] = ("gate", "router", "lm_head"),
+    *,
+    block_size: Sequence[int] = (128, 128),
+    scale_dtype: torch.dtype = torch.float32,
+) -> nn.Module:
+    """Replaces the linear layers of ``model`` with :class:`fp8_moe_ops.FP8Linear`, in place.
+
+    * ``nn.Linear`` (exactly that class, not subclasses of other libraries): its weight
+      (out, in) is block-quantised with :func:`fp8_moe_ops.quantize_weight` (``block_size``,
+      ``scale_dtype``); a bias is kept.  Dynamic activation scheme (see
+      :func:`fp8_moe_ops.calibrate_static_scales` for static scales).
+    * transformers' ``FP8Linear``: the new module shares its fp8 weight, ``weight_scale_inv``,
+      static ``activation_scale`` and bias (no copy), with its block size and scheme.
+
+    A module whose own attribute name (the last part of its qualified name) is exactly one
+    of ``skip`` is left in full precision: routers and heads.  ``gate_proj`` is not ``gate``.
+
+    Returns ``model`` (or, when ``model`` itself is a linear layer, its replacement).
+    """
+    if isinstance(skip, str):
+        raise TypeError(f"skip: expected a sequence of attribute names, got the string {skip!r}")
+    skip = frozenset(skip)
+    tf_class = _transformers_fp8_linear_class()
+    root = _convert(model, tf_class, block_size, scale_dtype)
+    if root is not None:
+        return root
+    replaced = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if name in skip:
+                continue
+            new = _convert(child, tf_class, block_size, scale_dtype)
+            if new is not None:
+                setattr(parent, name, new)
+                replaced += 1
+    logger.info("convert_linears: %d linear layers converted to FP8Linear (skipped names: %s)", replaced, sorted(skip))
+    return model
