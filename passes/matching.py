@@ -1,0 +1,463 @@
+"""Matching: find an unrolled loop over experts in a post-grad graph and prove it
+computes what one ``fp8_moe::grouped_experts`` call computes (``rewrite.py`` replaces it).
+
+What an unrolled loop looks like post-grad (one iteration, expert ``e``)::
+
+    mask  = eq.Scalar(top_k_index, e)              # or select(permute(one_hot), 0, e)
+    nz    = nonzero(mask); tok, pos = unbind(nz, 1) # (roles swap for a (k, T) mask)
+    x     = index.Tensor(hidden, [tok])             # or index_select / [None, tok].reshape
+    h     = fp8_moe.linear(x, W_gu[e], S_gu[e], bs) # or w1(x) and w3(x)
+    a     = act(gate) * up                          # see activations.py
+    y     = fp8_moe.linear(a, W_d[e], S_d[e], bs)
+    acc_e = index_put(acc_{e-1}, [tok], y * w[tok, pos, None], accumulate=True)
+                                                    # or index_add(acc, 0, tok, ...)
+
+The pass walks every accumulation chain (``index_put``/``index_add`` steps starting
+from a zero tensor), proves each step is such an iteration, proves the steps together
+cover experts ``0..E-1`` of the same weights, and only then rewrites.  Anything it
+cannot prove is counted and logged, never rewritten: a wrong rewrite is the worst bug
+this package can have; a missed one costs only speed.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+from torch.fx import Node
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from .activations import match_activation
+
+# torch.ops.fp8_moe exists: the parent package fp8_moe_ops registered it before this
+# subpackage was imported.
+aten = torch.ops.aten
+prims = torch.ops.prims
+LINEAR = torch.ops.fp8_moe.linear.default
+GROUPED = torch.ops.fp8_moe.grouped_experts.default
+_VIEWS = (aten.reshape.default, aten.view.default, aten._unsafe_view.default)
+_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+
+
+class Skip(Exception):
+    """A loop that is left as it is; ``static`` says why in the counter's name."""
+
+    def __init__(self, reason: str, static: bool = False):
+        super().__init__(reason)
+        self.static = static
+
+
+# --------------------------------------------------------------------------- small helpers
+
+
+def is_call(n, *targets) -> bool:
+    return isinstance(n, Node) and n.op == "call_function" and n.target in targets
+
+
+def _val(n):
+    return n.meta.get("val") if isinstance(n, Node) else None
+
+
+def _dtype(n):
+    v = _val(n)
+    return v.dtype if isinstance(v, torch.Tensor) else None
+
+
+def shape_of(n) -> tuple:
+    v = _val(n)
+    return tuple(v.shape) if isinstance(v, torch.Tensor) else ()
+
+
+def same_size(a, b) -> bool:
+    return statically_known_true(a == b)
+
+
+def _same_shape(a: tuple, b: tuple) -> bool:
+    return len(a) == len(b) and all(same_size(x, y) for x, y in zip(a, b))
+
+
+def _arg(n: Node, i: int, name: str, default=None):
+    return n.args[i] if len(n.args) > i else n.kwargs.get(name, default)
+
+
+def _widen(n):
+    """Strips exact casts (bf16/fp16/fp32 -> fp32, or to the same dtype)."""
+    while is_call(n, prims.convert_element_type.default):
+        src, dst = _dtype(n.args[0]), n.args[1]
+        if src not in _FLOATS or dst not in (torch.float32, src):
+            break
+        n = n.args[0]
+    return n
+
+
+META_ASSERT = aten._assert_tensor_metadata.default
+
+
+def users_of(n: Node) -> list:
+    """Users that compute something; torch.export adds ``_assert_tensor_metadata``
+    checks of static metadata, which Inductor drops right after this pass anyway."""
+    return [u for u in n.users if not is_call(u, META_ASSERT)]
+
+
+def _linear_args(n: Node):
+    """(x, w, w_scale_inv, block_size, act_scale, out_dtype) of an fp8_moe.linear node."""
+    return (*n.args[:4], _arg(n, 4, "act_scale"), _arg(n, 5, "out_dtype"))
+
+
+def _is_zeros(n) -> bool:
+    if is_call(n, aten.zeros.default):
+        return True
+    if is_call(n, aten.full.default):
+        fill = n.args[1]
+        return isinstance(fill, (int, float)) and not isinstance(fill, bool) and fill == 0
+    return False
+
+
+def accumulation_step(n):
+    """(acc, rows, value) if ``n`` adds ``value`` into rows ``rows`` of ``acc``."""
+    if is_call(n, aten.index_put.default):
+        acc, indices, value = n.args[:3]
+        if _arg(n, 3, "accumulate", False) is True and len(indices) == 1 and isinstance(indices[0], Node):
+            return acc, indices[0], value
+    if is_call(n, aten.index_add.default):
+        acc, dim, rows, value = n.args[:4]
+        if dim in (0, -2) and _arg(n, 4, "alpha", 1) == 1:
+            return acc, rows, value
+    return None
+
+
+# --------------------------------------------------------------------------- routing
+
+
+def _coord(n):
+    """(nz, c) if ``n`` is coordinate column ``c`` of ``nz = nonzero(mask)``."""
+    if is_call(n, operator.getitem) and is_call(n.args[0], aten.unbind.int):
+        ub, c = n.args
+        nz, dim = ub.args[0], _arg(ub, 1, "dim", 0)
+        if is_call(nz, aten.nonzero.default) and dim in (1, -1):
+            return nz, c
+    if is_call(n, aten.select.int) and is_call(n.args[0], aten.nonzero.default) and n.args[1] in (1, -1):
+        return n.args[0], n.args[2]
+    return None
+
+
+def _strip_int_casts(n):
+    while is_call(n, prims.convert_element_type.default) and not n.args[1].is_floating_point:
+        n = n.args[0]
+    return n
+
+
+def _one_hot(n):
+    """(top_k_index, E) if ``n`` is ``one_hot(top_k_index, E)`` (T, k, E)."""
+    n = _strip_int_casts(n)
+    if not is_call(n, aten.eq.Tensor):
+        return None
+    for col, iota in (n.args, reversed(n.args)):
+        if (is_call(col, aten.unsqueeze.default) and col.args[1] in (-1, 2) and is_call(iota, prims.iota.default)
+                and iota.kwargs.get("start") == 0 and iota.kwargs.get("step") == 1 and len(shape_of(col.args[0])) == 2):
+            return col.args[0], iota.args[0]
+    return None
+
+
+def _mask(n):
+    """(top_k_index, e, transposed) if ``n`` is the expert-``e`` mask over (T, k),
+    or over (k, T) when ``transposed`` (the one-hot ``permute(2, 1, 0)[e]`` form)."""
+    n = _strip_int_casts(n)
+    if is_call(n, aten.eq.Scalar):
+        x, e = n.args
+        if len(shape_of(x)) == 2 and isinstance(e, int) and not isinstance(e, bool):
+            return x, e, False
+        return None
+    if is_call(n, aten.select.int):
+        src, dim, e = n.args
+        if is_call(src, aten.permute.default) and dim == 0:
+            perm = [d % 3 for d in src.args[1]]
+            oh = _one_hot(src.args[0])
+            if oh and perm[0] == 2 and 0 <= e < oh[1]:
+                return oh[0], e, perm[1:] == [1, 0]
+        oh = _one_hot(src)
+        if oh and dim in (2, -1) and 0 <= e < oh[1]:
+            return oh[0], e, False
+    return None
+
+
+def _gather(n):
+    """(src, rows) if ``n`` is ``src[rows]`` for a 2-D ``src``."""
+    if is_call(n, aten.index.Tensor) and len(n.args[1]) == 1 and len(shape_of(n.args[0])) == 2:
+        return n.args[0], n.args[1][0]
+    if is_call(n, aten.index_select.default) and n.args[1] in (0, -2) and len(shape_of(n.args[0])) == 2:
+        return n.args[0], n.args[2]
+    if is_call(n, *_VIEWS) and len(shape_of(n)) == 2:
+        # hidden[None, rows].reshape(-1, H): (1, n, H) -> (n, H)
+        inner = n.args[0]
+        if is_call(inner, aten.index.Tensor) and len(inner.args[1]) == 2 and inner.args[1][0] is None:
+            u = inner.args[0]
+            if (is_call(u, aten.unsqueeze.default) and u.args[1] == 0 and len(shape_of(u.args[0])) == 2
+                    and same_size(shape_of(n)[1], shape_of(u.args[0])[1])):
+                return u.args[0], inner.args[1][1]
+    return None
+
+
+def _routing(n):
+    """(weights, rows, cols) if ``n`` is ``weights[rows, cols]`` as an (n, 1) column."""
+    n = _widen(n)
+    if is_call(n, aten.index.Tensor) and len(n.args[1]) == 2:
+        u = n.args[0]
+        if is_call(u, aten.unsqueeze.default) and u.args[1] in (2, -1) and len(shape_of(u.args[0])) == 2:
+            return u.args[0], *n.args[1]
+    column = len(shape_of(n)) == 2 and same_size(shape_of(n)[1], 1)
+    if (is_call(n, aten.unsqueeze.default) and n.args[1] in (1, -1)) or (is_call(n, *_VIEWS) and column):
+        i = _widen(n.args[0])
+        if is_call(i, aten.index.Tensor) and len(i.args[1]) == 2 and len(shape_of(i.args[0])) == 2 and len(shape_of(i)) == 1:
+            return i.args[0], *i.args[1]
+    return None
+
+
+def _half(n):
+    """("whole", linear) or ("half", linear, 0 | 1): where a gate or up operand comes from."""
+    n = _widen(n)
+    if is_call(n, LINEAR):
+        return ("whole", n)
+    if is_call(n, operator.getitem) and is_call(n.args[0], aten.split.Tensor, aten.split_with_sizes.default):
+        sp, i = n.args
+        src, size, dim = sp.args[0], sp.args[1], _arg(sp, 2, "dim", 0)
+        lin = _widen(src)
+        if is_call(lin, LINEAR) and dim in (1, -1) and i in (0, 1):
+            N = shape_of(lin)[1]
+            sizes = [size, size] if isinstance(size, int) else list(size)
+            if len(sizes) == 2 and same_size(sizes[0] * 2, N) and same_size(sizes[1] * 2, N):
+                return ("half", lin, i)
+    if is_call(n, aten.slice.Tensor):
+        src, dim = n.args[0], _arg(n, 1, "dim", 0)
+        start, end, step = _arg(n, 2, "start", 0), _arg(n, 3, "end", None), _arg(n, 4, "step", 1)
+        lin = _widen(src)
+        if is_call(lin, LINEAR) and dim in (1, -1) and step == 1:
+            N = shape_of(lin)[1]
+            if start in (0, None) and end is not None and same_size(end * 2, N):
+                return ("half", lin, 0)
+            if isinstance(start, int) and same_size(start * 2, N) and (end is None or statically_known_true(end >= N)):
+                return ("half", lin, 1)
+    return None
+
+
+# --------------------------------------------------------------------------- one iteration
+
+
+@dataclass
+class _Iter:
+    expert: int
+    nz: Node
+    hidden: Node
+    top_k_index: Node
+    top_k_weights: Node
+    gate_up: tuple  # (w, s) fused, or (w1, s1, w3, s3) separate
+    down: tuple  # (w, s)
+    block_size: list
+    activation: tuple  # (name, variant, spelling, limit)
+    exact: bool  # same roundings as the grouped op
+
+
+def _match_iter(rows: Node, value: Node, acc_dtype: torch.dtype) -> _Iter:
+    nz, c = _coord(rows)
+    mask = _mask(nz.args[0])
+    if mask is None:
+        raise Skip("the expert mask is neither top_k_index == e nor a one-hot expert mask")
+    top_k_index, e, transposed = mask
+    tok_c, pos_c = (1, 0) if transposed else (0, 1)
+    if c != tok_c:
+        raise Skip("rows are accumulated at the top-k positions, not at the tokens")
+
+    def is_coord(n, col):
+        return _coord(n) == (nz, col)
+
+    v = value
+    if is_call(v, prims.convert_element_type.default) and v.args[1] == acc_dtype:
+        v = v.args[0]  # .to(out.dtype): a no-op, or one rounding the grouped op does not need
+    if not is_call(v, aten.mul.Tensor):
+        raise Skip("the expert output is not multiplied by its routing weight just before accumulation")
+    for y, r in (v.args, reversed(v.args)):
+        down, rw = _widen(y), _routing(r)
+        if is_call(down, LINEAR) and rw is not None:
+            break
+    else:
+        raise Skip("the accumulated value is not down_proj(...) * routing_weight[tok, pos]")
+    top_k_weights, rw_tok, rw_pos = rw
+    if not (is_coord(rw_tok, tok_c) and is_coord(rw_pos, pos_c)):
+        raise Skip("the routing weight is not top_k_weights[tok, pos] of this expert's tokens")
+    if not _same_shape(shape_of(top_k_weights), shape_of(top_k_index)) or _dtype(top_k_weights) not in _FLOATS:
+        raise Skip("routing weights and top_k_index differ in shape, or the weights are not bf16/fp16/fp32")
+
+    a, wd, sd, bs, _, od = _linear_args(down)
+    act_dtype = _dtype(a)
+    if od not in (None, act_dtype):
+        raise Skip(f"the down projection has out_dtype={od}")
+    am = match_activation(a, act_dtype)
+    if am is None:
+        raise Skip("the down projection's input is not a supported gated activation act(gate) * up "
+                   "(silu, gelu, gelu_tanh or relu, optional swiglu_limit clamps)")
+    leaf_dtype = torch.float32 if am.variant == "float32" else act_dtype
+    if _dtype(am.gate) != leaf_dtype or _dtype(am.up) != leaf_dtype:
+        raise Skip("gate and up reach the activation in an unexpected dtype")
+    if am.limit is not None and am.variant == "native" and torch.tensor(am.limit, dtype=act_dtype).item() != am.limit:
+        raise Skip(f"swiglu_limit {am.limit} is not exact in {act_dtype}; its clamp would round differently")
+    g, u = _half(am.gate), _half(am.up)
+    if g is None or u is None:
+        raise Skip("gate and up are not the two halves of one projection nor two projections of the same input")
+    if g[0] == "half" and u[0] == "half" and g[1] is u[1]:
+        if (g[2], u[2]) != (0, 1):
+            raise Skip("gate is not the first half of gate_up (halves swapped)")
+        gu_linears = [g[1]]
+    elif g[0] == "whole" and u[0] == "whole" and g[1] is not u[1]:
+        gu_linears = [g[1], u[1]]
+    else:
+        raise Skip("gate and up come from a mix of fused and separate projections")
+
+    srcs = set()
+    for lin in gu_linears:
+        x, _, _, bs_i, _, od_i = _linear_args(lin)
+        if od_i not in (None, _dtype(x)) or _dtype(lin) != act_dtype:
+            raise Skip("a gate/up projection changes dtype")
+        if list(bs_i) != list(bs):
+            raise Skip(f"mixed block sizes in one expert: {list(bs_i)} and {list(bs)}")
+        gat = _gather(x)
+        if gat is None or not is_coord(gat[1], tok_c):
+            raise Skip("the projection input is not hidden[tok] of this expert's tokens")
+        srcs.add(gat[0])
+    if len(srcs) != 1:
+        raise Skip("gate and up read different inputs")
+    hidden = srcs.pop()
+    if _dtype(hidden) != act_dtype or act_dtype not in _FLOATS:
+        raise Skip("the activation dtype differs from the hidden states dtype")
+    gate_up = tuple(_linear_args(gu_linears[0])[1:3])
+    if len(gu_linears) == 2:
+        gate_up += tuple(_linear_args(gu_linears[1])[1:3])
+    # bitwise with the op only when every rounding matches reference.gated_activation
+    # and the combine accumulates float32 products in float32
+    exact = (am.variant == "float32" and am.spelling == 0 and _dtype(v) == torch.float32
+             and acc_dtype == torch.float32)
+    return _Iter(e, nz, hidden, top_k_index, top_k_weights, gate_up, (wd, sd), list(bs),
+                 (am.activation, am.variant, am.spelling, am.limit), exact)
+
+
+# --------------------------------------------------------------------------- the loop
+
+
+def _body(value: Node, nz: Node, pos: dict) -> set:
+    """Nodes on a path from ``nz`` to ``value``: this iteration's own computation."""
+    back, stack = set(), [value]
+    while stack:
+        n = stack.pop()
+        if n in back or pos[n] <= pos[nz]:
+            continue
+        back.add(n)
+        stack.extend(n.all_input_nodes)
+    body = set()
+    for n in sorted(back, key=pos.__getitem__):
+        if any(i is nz or i in body for i in n.all_input_nodes):
+            body.add(n)
+    return body
+
+
+_ASSERTS = (aten._assert_scalar.default, aten.sym_constrain_range_for_size.default)
+
+
+def scalar_only(n: Node) -> bool:
+    """Shape arithmetic and runtime asserts on sizes: what keeps a dead ``nonzero`` alive."""
+    if n.op != "call_function":
+        return False
+    return n.target in _ASSERTS or isinstance(_val(n), (torch.SymInt, torch.SymBool, torch.SymFloat, int, bool, float))
+
+
+@dataclass
+class Loop:
+    steps: list  # accumulation nodes, in graph order
+    iters: list  # _Iter, in expert order
+    nzs: list
+    nodes: set  # every node of every iteration (nonzero, body, step)
+    targets: list  # nodes the grouped op replaces
+    exact: bool
+
+
+def collect_chain(head: Node) -> list:
+    steps, cur = [head], head
+    while len(users_of(cur)) == 1:
+        (u,) = users_of(cur)
+        s = accumulation_step(u)
+        if s is None or s[0] is not cur:
+            break
+        steps.append(u)
+        cur = u
+    return steps
+
+
+def analyse(steps: list, pos: dict) -> Loop | None:
+    """Returns None when the chain is not an expert loop at all; raises Skip for a loop
+    that is left eager."""
+    bodies = []
+    for s in steps:
+        _, rows, value = accumulation_step(s)
+        co = _coord(rows)
+        if co is None:
+            return None
+        bodies.append((co[0], _body(value, co[0], pos)))
+    linears = [n for _, b in bodies for n in b if is_call(n, LINEAR)]
+    if not linears:
+        return None
+    if any(_linear_args(n)[4] is not None for n in linears):
+        raise Skip("its activation scheme is static (fp8_moe::linear has an act_scale)", static=True)
+
+    acc = accumulation_step(steps[0])[0]
+    if not _is_zeros(acc):
+        raise Skip("the accumulator does not start as a zero tensor")
+    last = steps[-1]
+    # collect_chain stops at a step with several users; one of them continuing the chain means a
+    # partial sum is also used elsewhere
+    if any(accumulation_step(u) is not None and accumulation_step(u)[0] is last for u in users_of(last)):
+        raise Skip("a partial sum of the loop is used outside the loop")
+    acc_dtype = _dtype(acc)
+
+    iters, nodes = [], set(steps)
+    for s, (nz, body) in zip(steps, bodies):
+        nodes |= body | {nz}
+        _, rows, value = accumulation_step(s)
+        it = _match_iter(rows, value, acc_dtype)
+        inside = body | {s}
+        for n in [nz, *body]:
+            if any(u not in inside and not scalar_only(u) for u in users_of(n)):
+                raise Skip("an intermediate result of an expert is used outside the loop")
+        iters.append(it)
+
+    first = iters[0]
+    for it in iters[1:]:
+        if (it.hidden, it.top_k_index, it.top_k_weights) != (first.hidden, first.top_k_index, first.top_k_weights):
+            raise Skip("experts read different hidden states or routing tensors")
+        if it.block_size != first.block_size:
+            raise Skip(f"mixed block sizes: {first.block_size} and {it.block_size}")
+        if it.activation != first.activation:
+            raise Skip(f"experts use different activations: {first.activation[0]} and {it.activation[0]}")
+        if len(it.gate_up) != len(first.gate_up):
+            raise Skip("some experts use fused gate_up weights, others separate gate and up")
+    ids = sorted(it.expert for it in iters)
+    if ids != list(range(len(iters))):
+        raise Skip(f"the loop does not visit experts 0..E-1 once each (visits {ids})")
+    iters.sort(key=lambda it: it.expert)
+
+    hidden_dtype = _dtype(first.hidden)
+    hs = shape_of(first.hidden)
+    if not _same_shape(shape_of(acc), hs) or _val(acc).device != _val(first.hidden).device:
+        raise Skip("the accumulator's shape or device is not that of the hidden states")
+    if not same_size(shape_of(first.top_k_index)[0], hs[0]):
+        raise Skip("top_k_index does not have one row per token")
+    if _dtype(first.top_k_index) not in (torch.int32, torch.int64):
+        raise Skip("top_k_index is not int32/int64")
+    if acc_dtype == hidden_dtype:
+        targets = [last]
+    elif acc_dtype == torch.float32:
+        targets = users_of(last)
+        if not targets or any(not (is_call(t, prims.convert_element_type.default) and t.args[1] == hidden_dtype)
+                              for t in targets):
+            raise Skip(f"the float32 accumulator is used in float32, not only cast back to {hidden_dtype}")
+    else:
+        raise Skip(f"the accumulator dtype {acc_dtype} is neither float32 nor the hidden dtype {hidden_dtype}")
+    return Loop(steps, iters, [it.nz for it in iters], nodes, targets, all(it.exact for it in iters))

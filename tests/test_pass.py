@@ -1,0 +1,359 @@
+"""The MoE-loop graph pass: install/uninstall, the loop forms it rewrites, and the
+rewritten models' numerics.  Near misses (loops it must leave alone) are in
+test_pass_negative.py; export, dynamic shapes and the FX cache in test_pass_compile.py.
+
+Every test asserting counters compiles with the FX graph cache disabled: a cache hit
+runs no pass (``fresh_counters``)."""
+
+from __future__ import annotations
+
+import logging
+import unittest
+
+import pytest
+import torch
+import torch._dynamo.config as dynamo_config
+import torch._inductor.config as inductor_config
+from expecttest import TestCase
+from torch._inductor import custom_graph_pass
+from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch._inductor.utils import run_and_get_code
+
+import fp8_moe_ops.passes as passes
+from fp8_moe_ops.passes import MoELoopPass
+from test_pass_common import (
+    BLOCK, Loop, MixtralLoop, count_linear, error_vs, experts, fp8_counters, fresh_counters, graph_text, ideal_output,
+    inputs, post_grad, stacked_from_mixtral, static_experts,
+)
+
+pytestmark = pytest.mark.slow
+
+GROUPED = "torch.ops.fp8_moe.grouped_experts.default"
+
+
+class _Recorder(CustomGraphPass):
+    """A user's own pass: records the graphs it sees (after ours in the same compile)."""
+
+    def __init__(self):
+        self.graphs = []
+
+    def __call__(self, graph):
+        self.graphs.append(str(graph).strip())
+
+    def uuid(self):
+        return "recorder"
+
+
+def _compile_and_code(model, *args):
+    """(output, generated code, post-grad graph text) through real Inductor."""
+    rec = _Recorder()
+    torch._dynamo.reset()
+    with inductor_config.patch(post_grad_custom_post_pass=rec), torch.no_grad():
+        out, code = run_and_get_code(torch.compile(model, fullgraph=True), *args)
+    (graph,) = rec.graphs
+    return out, "\n".join(code), graph
+
+
+class TestInstall(TestCase):
+    def tearDown(self):
+        passes.uninstall()
+
+    def test_install_uninstall_restore_config(self):
+        capture = dynamo_config.capture_dynamic_output_shape_ops
+        with inductor_config.patch(post_grad_custom_pre_pass=None):
+            passes.install()
+            passes.install()  # idempotent
+            self.assertTrue(passes.is_installed())
+            self.assertIsInstance(inductor_config.post_grad_custom_pre_pass, MoELoopPass)
+            self.assertTrue(dynamo_config.capture_dynamic_output_shape_ops)
+            passes.uninstall()
+            self.assertIsNone(inductor_config.post_grad_custom_pre_pass)
+        self.assertEqual(dynamo_config.capture_dynamic_output_shape_ops, capture)
+        self.assertFalse(passes.is_installed())
+
+    def test_enabled_nests(self):
+        with passes.enabled():
+            with passes.enabled():
+                self.assertTrue(passes.is_installed())
+            self.assertTrue(passes.is_installed())  # the inner one did not turn it off
+        self.assertFalse(passes.is_installed())
+
+    def test_composes_with_user_pass_in_a_list(self):
+        user = _Recorder()
+        with inductor_config.patch(post_grad_custom_pre_pass=user):
+            with passes.enabled():
+                hook = inductor_config.post_grad_custom_pre_pass
+                self.assertEqual(len(hook), 2)
+                self.assertIs(hook[0], user)
+                self.assertIsInstance(hook[1], MoELoopPass)
+            self.assertIs(inductor_config.post_grad_custom_pre_pass, user)
+
+    def test_composes_as_one_object_for_old_torch(self):
+        # torch 2.11/2.12 hooks take one object: the user's pass and ours are chained.
+        user = _Recorder()
+        with inductor_config.patch(post_grad_custom_pre_pass=user):
+            passes.install(_force_chain=True)
+            hook = inductor_config.post_grad_custom_pre_pass
+            self.assertIsInstance(hook, CustomGraphPass)
+            self.assertEqual(hook.uuid(), ("recorder", MoELoopPass().uuid()))
+            passes.uninstall()
+            self.assertIs(inductor_config.post_grad_custom_pre_pass, user)
+        with inductor_config.patch(post_grad_custom_pre_pass=lambda g: None):
+            passes.install(_force_chain=True)
+            # a bare callable has no uuid: the FX cache must be bypassed, not keyed on ours alone
+            self.assertIsNone(inductor_config.post_grad_custom_pre_pass.uuid())
+            passes.uninstall()
+
+    def test_chained_pass_runs_both(self):
+        user = _Recorder()
+        counters_before = fp8_counters().get("loops_rewritten", 0)
+        with inductor_config.patch(post_grad_custom_pre_pass=user):
+            passes.install(_force_chain=True)
+            try:
+                with torch._inductor.config.patch(force_disable_caches=True):
+                    out, gm = post_grad(experts(), *inputs(6))
+            finally:
+                passes.uninstall()
+        self.assertEqual(len(user.graphs), 1)
+        self.assertIn("nonzero", user.graphs[0])  # the user's pass ran first, on the loop
+        self.assertEqual(fp8_counters()["loops_rewritten"], counters_before + 1)
+        self.assertIn(GROUPED, graph_text(gm))
+
+    @unittest.skipUnless(hasattr(custom_graph_pass, "CustomInferenceAwareGraphPass"), "no such pass kind")
+    def test_chained_inference_aware_user_pass(self):
+        seen = []
+
+        class User(custom_graph_pass.CustomInferenceAwareGraphPass):
+            def __call__(self, graph, is_inference):
+                seen.append(is_inference)
+
+            def uuid(self):
+                return "user"
+
+        with inductor_config.patch(post_grad_custom_pre_pass=User()):
+            passes.install(_force_chain=True)
+            try:
+                with fresh_counters():
+                    _, gm = post_grad(experts(), *inputs(6))
+            finally:
+                passes.uninstall()
+        self.assertEqual(seen, [True])
+        self.assertIn(GROUPED, graph_text(gm))
+
+    def test_uuid_hashes_the_pass_sources(self):
+        from pathlib import Path
+
+        from torch._inductor.custom_graph_pass import get_hash_for_files
+
+        files = tuple(str(p) for p in sorted(Path(passes.__file__).parent.glob("*.py")))
+        self.assertGreaterEqual(len(files), 3)
+        self.assertEqual(MoELoopPass().uuid(), get_hash_for_files(files, extra=torch.__version__).hex())
+
+
+class TestForms(TestCase):
+    """Each form the pass must recognise: counters, generated code, post-grad graph."""
+
+    def _check_rewritten_code(self, code: str):
+        self.assertIn("fp8_moe.grouped_experts", code)
+        self.assertNotIn("nonzero", code)
+        self.assertNotIn("fp8_moe.linear", code)
+
+    def test_form1_stacked_weights_where(self):
+        m, args = experts(), inputs(6)
+        with fresh_counters():
+            out, code, graph = _compile_and_code(m, *args)
+        self.assertEqual(fp8_counters(), {"loops_rewritten": 1})
+        self._check_rewritten_code(code)
+        self.assertExpectedInline(graph, """\
+graph():
+    %arg0_1 : [num_users=1] = placeholder[target=arg0_1]
+    %arg1_1 : [num_users=1] = placeholder[target=arg1_1]
+    %arg2_1 : [num_users=1] = placeholder[target=arg2_1]
+    %arg3_1 : [num_users=1] = placeholder[target=arg3_1]
+    %arg4_1 : [num_users=1] = placeholder[target=arg4_1]
+    %arg5_1 : [num_users=1] = placeholder[target=arg5_1]
+    %arg6_1 : [num_users=1] = placeholder[target=arg6_1]
+    %grouped_experts_default : [num_users=1] = call_function[target=torch.ops.fp8_moe.grouped_experts.default](args = (%arg0_1, %arg1_1, %arg6_1, %arg2_1, %arg3_1, %arg4_1, %arg5_1, [16, 16], silu, None, None, None), kwargs = {})
+    return (grouped_experts_default,)""")
+        # the same arithmetic as the eager loop: bitwise
+        self.assertTrue(torch.equal(out, m(*args)))
+
+    def test_form2_one_hot_mask_and_spellings(self):
+        # one-hot mask, x[None, tok].reshape(-1, H), gate/up by slicing, w[tok, pos].unsqueeze(-1)
+        m = Loop(experts(), mask="onehot", gather="none_reshape", split="slice", routing="unsqueeze")
+        args = inputs(6, seed=1)
+        with fresh_counters():
+            out, code, graph = _compile_and_code(m, *args)
+        self.assertEqual(fp8_counters(), {"loops_rewritten": 1})
+        self._check_rewritten_code(code)
+        self.assertIn("grouped_experts.default](args = (%arg0_1, %arg1_1, %arg6_1, %arg2_1, %arg3_1, %arg4_1, "
+                      "%arg5_1, [16, 16], silu, None, None, None)", graph)
+        # the one-hot range checks of F.one_hot are the model's own: they stay
+        self.assertIn("_assert_async", graph)
+        self.assertNotIn("nonzero", graph)
+        self.assertTrue(torch.equal(out, m(*args)))
+
+    def test_index_select_gather(self):
+        m, args = Loop(experts(), gather="index_select"), inputs(7, seed=2)
+        with fresh_counters():
+            out, gm = post_grad(m, *args)
+        self.assertEqual(fp8_counters(), {"loops_rewritten": 1})
+        self.assertEqual(count_linear(gm), 0)
+        self.assertTrue(torch.equal(out, m(*args)))
+
+    def test_form4_activations(self):
+        # tanh-gelu must become "gelu_tanh", never "gelu"; swiglu clamps carry their limit.
+        cases = [("gelu", None), ("gelu_tanh", None), ("silu", 0.25), ("gelu_tanh", 0.25), ("relu", None)]
+        args = inputs(9, seed=3)
+        for activation, limit in cases:
+            with self.subTest(activation=activation, limit=limit):
+                m = experts(activation, limit)
+                with fresh_counters():
+                    out, gm = post_grad(m, *args)
+                self.assertEqual(fp8_counters(), {"loops_rewritten": 1})
+                (node,) = [n for n in gm.graph.nodes if n.target is torch.ops.fp8_moe.grouped_experts.default]
+                self.assertEqual(node.args[8], activation)
+                self.assertEqual(node.args[11], limit)
+                self.assertTrue(torch.equal(out, m(*args)))
+
+    def test_form4_generated_code_gelu_tanh(self):
+        m, args = experts("gelu_tanh", 0.25), inputs(6, seed=4)
+        with fresh_counters():
+            out, code, graph = _compile_and_code(m, *args)
+        self._check_rewritten_code(code)
+        self.assertIn("[16, 16], gelu_tanh, None, None, 0.25)", graph)
+        self.assertTrue(torch.equal(out, m(*args)))
+
+    def test_form3_modulelist_frozen(self):
+        m, args = MixtralLoop(), inputs(8, seed=5)
+        with fresh_counters(), inductor_config.patch(freezing=True):
+            out, code, graph = _compile_and_code(m, *args)
+        self.assertEqual(fp8_counters(), {"loops_rewritten": 1})
+        self._check_rewritten_code(code)
+        self.assertExpectedInline(graph, """\
+graph():
+    %arg24_1 : [num_users=1] = placeholder[target=arg24_1]
+    %arg25_1 : [num_users=3] = placeholder[target=arg25_1]
+    %arg26_1 : [num_users=1] = placeholder[target=arg26_1]
+    %_fp8_moe_gate_up_proj_0 : [num_users=1] = get_attr[target=_fp8_moe_gate_up_proj_0]
+    %_fp8_moe_gate_up_scale_inv_0 : [num_users=1] = get_attr[target=_fp8_moe_gate_up_scale_inv_0]
+    %_fp8_moe_down_proj_0 : [num_users=1] = get_attr[target=_fp8_moe_down_proj_0]
+    %_fp8_moe_down_scale_inv_0 : [num_users=1] = get_attr[target=_fp8_moe_down_scale_inv_0]
+    %ge : [num_users=1] = call_function[target=torch.ops.aten.ge.Scalar](args = (%arg25_1, 0), kwargs = {})
+    %logical_not : [num_users=1] = call_function[target=torch.ops.aten.logical_not.default](args = (%ge,), kwargs = {})
+    %any_1 : [num_users=1] = call_function[target=torch.ops.aten.any.dims](args = (%logical_not,), kwargs = {})
+    %logical_not_1 : [num_users=1] = call_function[target=torch.ops.aten.logical_not.default](args = (%any_1,), kwargs = {})
+    %_assert_async : [num_users=0] = call_function[target=torch.ops.aten._assert_async.msg](args = (%logical_not_1, one_hot: Class values must be non-negative.), kwargs = {})
+    %lt : [num_users=1] = call_function[target=torch.ops.aten.lt.Scalar](args = (%arg25_1, 4), kwargs = {})
+    %logical_not_2 : [num_users=1] = call_function[target=torch.ops.aten.logical_not.default](args = (%lt,), kwargs = {})
+    %any_2 : [num_users=1] = call_function[target=torch.ops.aten.any.dims](args = (%logical_not_2,), kwargs = {})
+    %logical_not_3 : [num_users=1] = call_function[target=torch.ops.aten.logical_not.default](args = (%any_2,), kwargs = {})
+    %_assert_async_1 : [num_users=0] = call_function[target=torch.ops.aten._assert_async.msg](args = (%logical_not_3, one_hot: Class values must be smaller than num_classes.), kwargs = {})
+    %grouped_experts_default : [num_users=1] = call_function[target=torch.ops.fp8_moe.grouped_experts.default](args = (%arg24_1, %arg25_1, %arg26_1, %_fp8_moe_gate_up_proj_0, %_fp8_moe_gate_up_scale_inv_0, %_fp8_moe_down_proj_0, %_fp8_moe_down_scale_inv_0, [16, 16], silu, None, None, None), kwargs = {})
+    return (grouped_experts_default,)""")
+        # The loop computes act(gate) * up in bf16 and accumulates in bf16; the grouped
+        # op rounds once, in float32.  It must equal the op on the hand-stacked weights
+        # bitwise, and be as accurate as the loop: its error against the float64 layer
+        # at most 1.25x the loop's (both are dominated by fp8 activations; measured
+        # ratios 0.93-1.06 over 8 seeds).
+        x, idx, w = args
+        ref_op = torch.ops.fp8_moe.grouped_experts(x, idx, w, *stacked_from_mixtral(m), list(BLOCK), "silu")
+        self.assertTrue(torch.equal(out, ref_op))
+        with torch.no_grad():
+            eager = m(*args)
+        ideal = ideal_output(*stacked_from_mixtral(m), *args)
+        self.assertLessEqual(error_vs(out, ideal), 1.25 * error_vs(eager, ideal))
+
+    def test_form3_without_freezing_is_skipped(self):
+        m, args = MixtralLoop(), inputs(6, seed=6)
+        with fresh_counters(), self.assertLogs("fp8_moe_ops.passes", level="INFO") as logs:
+            _, gm = post_grad(m, *args)
+        self.assertEqual(fp8_counters(), {"loops_skipped_unsupported": 1})
+        self.assertEqual(count_linear(gm), 3 * 4)
+        self.assertIn("graph input", logs.output[0])
+        self.assertIn("freezing", logs.output[0])
+
+    def test_form3_gate_up_grids_not_stackable(self):
+        # I = 24 is not a multiple of bn = 16: a scale block would straddle gate and up
+        m, args = MixtralLoop(inter=24), inputs(6, seed=7)
+        with fresh_counters(), inductor_config.patch(freezing=True), \
+                self.assertLogs("fp8_moe_ops.passes", level="INFO") as logs:
+            _, gm = post_grad(m, *args)
+        self.assertEqual(fp8_counters(), {"loops_skipped_unsupported": 1})
+        self.assertIn("I=24 is not a multiple of block_size[0]=16", logs.output[0])
+        self.assertEqual(count_linear(gm), 3 * 4)
+
+    def test_frozen_stacked_weights_are_not_copied(self):
+        # Under freezing, ex.gate_up_proj[e] is folded into per-expert views of the
+        # parameter; the pass must hand the parameter itself to the op, not a copy.
+        m, args = experts(), inputs(6, seed=8)
+        with fresh_counters(), inductor_config.patch(freezing=True):
+            out, gm = post_grad(m, *args)
+        self.assertEqual(fp8_counters(), {"loops_rewritten": 1})
+        consts = {n.target: getattr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr"}
+        ptrs = {t.data_ptr() for t in consts.values()}
+        self.assertIn(m.gate_up_proj.data_ptr(), ptrs)
+        self.assertIn(m.down_proj.data_ptr(), ptrs)
+        self.assertTrue(torch.equal(out, m(*args)))
+
+
+    def test_float32_and_float16_hidden_states(self):
+        m = experts()
+        for dtype in (torch.float32, torch.float16):
+            with self.subTest(dtype=dtype):
+                args = inputs(7, seed=15, dtype=dtype)
+                with fresh_counters():
+                    out, gm = post_grad(m, *args)
+                self.assertEqual(fp8_counters(), {"loops_rewritten": 1})
+                self.assertEqual(out.dtype, dtype)
+                self.assertTrue(torch.equal(out, m(*args)))
+
+    def test_two_layers_two_loops(self):
+        # the second loop's hidden states are the first loop's output
+        class TwoLayers(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.a, self.b = experts(seed=1), experts("gelu", seed=2)
+
+            def forward(self, x, idx, w):
+                return self.b(self.a(x, idx, w), idx.flip(-1), w)
+
+        m, args = TwoLayers(), inputs(7, seed=10)
+        with fresh_counters():
+            out, gm = post_grad(m, *args)
+        self.assertEqual(fp8_counters(), {"loops_rewritten": 2})
+        self.assertEqual(count_linear(gm), 0)
+        self.assertNotIn("nonzero", graph_text(gm))
+        self.assertTrue(torch.equal(out, m(*args)))
+
+
+class TestStatic(TestCase):
+    def test_static_loop_left_exactly_as_it_was(self):
+        m, args = static_experts(), inputs(6, seed=9)
+        torch._dynamo.reset()
+        with torch._inductor.config.patch(force_disable_caches=True):
+            _, off = post_grad(m, *args)  # pass off
+        with fresh_counters(), self.assertLogs("fp8_moe_ops.passes", level="INFO") as logs:
+            _, on = post_grad(m, *args)
+        self.assertEqual(fp8_counters(), {"loops_skipped_static": 1})
+        self.assertEqual(len(logs.output), 1)
+        self.assertIn("left eager because its activation scheme is static", logs.output[0])
+        self.assertEqual(graph_text(on), graph_text(off))
+        self.assertEqual(count_linear(on), 2 * 4)
+
+    def test_static_modulelist_frozen(self):
+        m, args = MixtralLoop(), inputs(6, seed=16)
+        for expert in m.experts:
+            for lin in (expert.w1, expert.w2, expert.w3):
+                lin.activation_scale = torch.nn.Parameter(torch.full((1,), 0.05), requires_grad=False)
+        with fresh_counters(), inductor_config.patch(freezing=True), \
+                self.assertLogs("fp8_moe_ops.passes", level="INFO") as logs:
+            _, gm = post_grad(m, *args)
+        self.assertEqual(fp8_counters(), {"loops_skipped_static": 1})
+        self.assertIn("activation scheme is static", logs.output[0])
+        self.assertEqual(count_linear(gm), 3 * 4)
+
+
+if __name__ == "__main__":
+    logging.basicConfig()
+    unittest.main()

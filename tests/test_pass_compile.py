@@ -1,0 +1,94 @@
+"""The pass under the other ways of compiling: dynamic token counts, the FX graph
+cache, and torch.export + AOTInductor."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import zipfile
+
+import pytest
+import torch
+import torch._inductor.config as inductor_config
+from expecttest import TestCase
+from torch._dynamo.utils import counters
+from torch._inductor.utils import fresh_cache, run_and_get_code
+
+import fp8_moe_ops.passes as passes
+from test_pass_common import (
+    BLOCK, MixtralLoop, error_vs, experts, fp8_counters, fresh_counters, ideal_output, inputs, stacked_from_mixtral,
+)
+
+pytestmark = pytest.mark.slow
+
+
+class TestDynamic(TestCase):
+    def test_dynamic_token_count(self):
+        m = experts()
+        with fresh_counters(), torch.no_grad():
+            c = torch.compile(m, dynamic=True)  # not fullgraph: install() makes where() capturable
+            outs = [(c(*inputs(T, seed=T)), m(*inputs(T, seed=T))) for T in (5, 9, 17)]
+            self.assertEqual(counters["stats"]["unique_graphs"], 1)  # one graph, no break, no recompile
+            self.assertEqual(fp8_counters(), {"loops_rewritten": 1})
+            # Dynamo specialises T = 1 and T = 0 (no tokens): one more graph each, rewritten too
+            outs += [(c(*inputs(T, seed=T)), m(*inputs(T, seed=T))) for T in (1, 0)]
+            self.assertEqual(counters["stats"]["unique_graphs"], 3)
+        self.assertEqual(fp8_counters(), {"loops_rewritten": 3})
+        for got, want in outs:
+            self.assertTrue(torch.equal(got, want))
+
+
+class TestFxGraphCache(TestCase):
+    def _compile(self, m, args):
+        torch._dynamo.reset()
+        _, code = run_and_get_code(torch.compile(m, fullgraph=True), *args)
+        return "\n".join(code)
+
+    def test_no_stale_hit_across_pass_state(self):
+        m, args = experts(), inputs(6, seed=21)
+        with fresh_cache(), inductor_config.patch(force_disable_caches=False, fx_graph_cache=True):
+            counters.clear()
+            with passes.enabled():
+                on = self._compile(m, args)
+            off = self._compile(m, args)  # pass off: must not be served the rewritten graph
+            with passes.enabled():
+                again = self._compile(m, args)  # pass on again: the first entry may serve it
+            stats = dict(counters["inductor"])
+        self.assertIn("fp8_moe.grouped_experts", on)
+        self.assertNotIn("fp8_moe.grouped_experts", off)
+        self.assertIn("fp8_moe.linear", off)
+        self.assertIn("fp8_moe.grouped_experts", again)
+        self.assertEqual(stats.get("fxgraph_cache_miss"), 2)
+        self.assertEqual(stats.get("fxgraph_cache_hit"), 1)
+        # the hit ran no pass: only the first compile counted a rewrite
+        self.assertEqual(fp8_counters(), {"loops_rewritten": 1})
+        torch._dynamo.reset()
+
+
+class TestAOTInductor(TestCase):
+    def test_export_package_load(self):
+        m = MixtralLoop()  # ModuleList experts: AOTInductor constants are stacked once, into the package
+        T = torch.export.Dim("T", min=1, max=4096)
+        with fresh_counters(), tempfile.TemporaryDirectory() as d:
+            ep = torch.export.export(m, inputs(8, seed=31), dynamic_shapes=({0: T}, {0: T}, {0: T}))
+            path = torch._inductor.aoti_compile_and_package(ep, package_path=f"{d}/moe.pt2")
+            with zipfile.ZipFile(path) as z:
+                names = z.namelist()
+                sources = "\n".join(z.read(n).decode() for n in names if n.endswith(".cpp"))
+                # the ops the package calls through the proxy executor
+                (extern,) = [json.loads(z.read(n)) for n in names if n.endswith("wrapper.json")]
+            loaded = torch._inductor.aoti_load_package(path)
+            self.assertEqual(fp8_counters(), {"loops_rewritten": 1})
+            self.assertEqual([n["node"]["target"] for n in extern["nodes"]], ["fp8_moe::grouped_experts"])
+            self.assertFalse("nonzero" in sources, "the package still computes a nonzero")
+            for t in (5, 23):
+                x, idx, w = inputs(t, seed=t)
+                got = loaded(x, idx, w)
+                with torch.no_grad():
+                    eager = m(x, idx, w)
+                # the op on the stacked weights, bitwise; as accurate as the loop (see
+                # test_form3_modulelist_frozen for the bound)
+                ops = stacked_from_mixtral(m)
+                self.assertTrue(torch.equal(got, torch.ops.fp8_moe.grouped_experts(x, idx, w, *ops, list(BLOCK))))
+                ideal = ideal_output(*ops, x, idx, w)
+                self.assertLessEqual(error_vs(got, ideal), 1.25 * error_vs(eager, ideal))

@@ -1,0 +1,113 @@
+"""Near misses: loops that look like an expert loop but are not equivalent to the
+grouped op.  Each must be left exactly as it was (the post-grad graph with the pass on
+equals the graph with the pass off), counted in ``loops_skipped_unsupported`` and
+logged with its reason.  Plus spellings that *are* equivalent up to rounding."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch._inductor.config as inductor_config
+from expecttest import TestCase
+
+from fp8_moe_ops.passes.activations import _gelu_tanh_formula
+from test_pass_common import (
+    Loop, MixtralLoop, count_linear, error_vs, experts, fp8_counters, fresh_counters, graph_text, ideal_output, inputs,
+    post_grad,
+)
+
+pytestmark = pytest.mark.slow
+
+
+def _gelu_tanh_wrong_constant(x):
+    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.0447 * torch.pow(x, 3.0))))
+
+
+# (name, Loop knobs, a fragment of the logged reason)
+NEAR_MISSES = [
+    # a subset of experts: tokens routed to expert 3 contribute nothing in the loop
+    ("subset", dict(experts=[0, 1, 2]), "covers 3 of the 4 experts"),
+    ("skips_one", dict(experts=[0, 1, 3]), "does not visit experts 0..E-1 once each"),
+    ("twice", dict(experts=[0, 1, 2, 3, 3]), "does not visit experts 0..E-1 once each"),
+    ("weights_of_next_expert", dict(shift=1), "not their own"),
+    ("bias", dict(bias=True), "is not down_proj(...) * routing_weight"),
+    ("extra_op", dict(extra=True), "is not down_proj(...) * routing_weight"),
+    ("accumulator_ones", dict(acc="ones"), "does not start as a zero tensor"),
+    ("float32_accumulator_returned", dict(acc="float32_out"), "used in float32"),
+    ("gate_up_swapped", dict(split="swapped"), "halves swapped"),
+    ("routing_weight_of_slot0", dict(routing="pos0"), "[tok, pos]"),
+    ("intermediate_escapes", dict(aux=True), "an intermediate result of an expert is used outside the loop"),
+    ("partial_sum_escapes", dict(peek=True), "a partial sum of the loop is used outside the loop"),
+    ("activation_tanh", dict(split="slice", act_fn=torch.tanh), "not a supported gated activation"),
+    ("gelu_tanh_other_constant", dict(split="slice", act_fn=_gelu_tanh_wrong_constant),
+     "not a supported gated activation"),
+]
+
+
+class TestNearMisses(TestCase):
+    def _assert_untouched(self, model, args, reason, **patches):
+        with inductor_config.patch(force_disable_caches=True, **patches):
+            _, off = post_grad(model, *args)
+        with fresh_counters(), inductor_config.patch(**patches), \
+                self.assertLogs("fp8_moe_ops.passes", level="INFO") as logs:
+            _, on = post_grad(model, *args)
+        self.assertEqual(fp8_counters(), {"loops_skipped_unsupported": 1})
+        self.assertEqual(len(logs.output), 1)
+        self.assertIn("left eager because", logs.output[0])
+        self.assertIn(reason, logs.output[0])
+        self.assertEqual(graph_text(on), graph_text(off))
+        self.assertGreater(count_linear(on), 0)
+
+    def test_near_misses(self):
+        args = inputs(8, seed=11)
+        base = experts()
+        for name, knobs, reason in NEAR_MISSES:
+            with self.subTest(name):
+                self._assert_untouched(Loop(base, **knobs), args, reason)
+
+    def test_mixed_block_sizes(self):
+        m = MixtralLoop(block_sizes=[(16, 16), (16, 16), (32, 32), (16, 16)])
+        self._assert_untouched(m, inputs(8, seed=12), "mixed block sizes", freezing=True)
+
+    def test_another_where_in_the_graph_is_kept(self):
+        class Aux(Loop):
+            def forward(self, hidden, top_k_index, top_k_weights):
+                out = super().forward(hidden, top_k_index, top_k_weights)
+                tok, _ = torch.where(top_k_index == 3)
+                return out, tok.sum()
+
+        # the extra where() is its own nonzero; the loop's own nonzeros stay private,
+        # so this loop is still rewritten and the aux output still computed
+        m, args = Aux(experts()), inputs(8, seed=13)
+        with fresh_counters():
+            (out, aux), gm = post_grad(m, *args)
+        self.assertEqual(fp8_counters(), {"loops_rewritten": 1})
+        ref_out, ref_aux = m(*args)
+        self.assertTrue(torch.equal(out, ref_out))
+        self.assertEqual(aux, ref_aux)
+
+
+class TestEquivalentSpellings(TestCase):
+    def test_silu_as_x_sigmoid_x(self):
+        self._rewritten_close(dict(split="slice", act_fn=lambda g: g * torch.sigmoid(g)), "silu")
+
+    def test_gelu_new_formula(self):
+        self._rewritten_close(dict(split="slice", act_fn=_gelu_tanh_formula), "gelu_tanh")
+
+    def _rewritten_close(self, knobs, activation):
+        # The same function as the op's activation, computed in another float32 order:
+        # act(gate) * up may round to a neighbouring bf16 value, which fp8 quantisation
+        # of the down projection's input can amplify.  The rewrite must be as accurate
+        # as the loop: error against the float64 layer at most 1.25x the loop's.
+        ex = experts(activation)
+        m, args = Loop(ex, **knobs), inputs(8, seed=14)
+        with fresh_counters():
+            out, gm = post_grad(m, *args)
+        self.assertEqual(fp8_counters(), {"loops_rewritten": 1})
+        (node,) = [n for n in gm.graph.nodes if n.target is torch.ops.fp8_moe.grouped_experts.default]
+        self.assertEqual(node.args[8], activation)
+        ideal = ideal_output(ex.gate_up_proj, ex.gate_up_proj_scale_inv, ex.down_proj, ex.down_proj_scale_inv,
+                             *args, activation)
+        self.assertLessEqual(error_vs(out, ideal), 1.25 * error_vs(m(*args), ideal))
