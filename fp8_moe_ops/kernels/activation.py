@@ -1,0 +1,65 @@
+"""Fused gated activation + fp8 quantisation between the two expert GEMMs.
+
+h (S, 2I) (gate columns then up columns, rounded to the activation dtype by the
+gate_up GEMM) -> ``a = act(gate) * up`` in float32, rounded to the activation dtype
+(as :func:`fp8_moe_ops.reference.gated_activation`), then quantised for the down
+projection exactly as :mod:`.quant` does: the rounded ``a`` never goes to memory.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .quant import expert_of_rows, quantize_dynamic, quantize_static, round_to
+
+ACT_IDS = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3}
+
+
+@triton.jit
+def _apply_activation(g, ACT: tl.constexpr):
+    if ACT == 0:  # silu
+        return tl.math.div_rn(g, 1.0 + tl.exp(-g))
+    elif ACT == 1:  # gelu, erf form
+        return 0.5 * g * (1.0 + tl.math.erf(g * 0.7071067811865476))
+    elif ACT == 2:  # gelu, tanh form; tanh(u) = 1 - 2 / (exp(2u) + 1) (no tanh in tl core)
+        u = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        return 0.5 * g * (2.0 - tl.math.div_rn(2.0, tl.exp(2.0 * u) + 1.0))
+    else:  # relu
+        return tl.where(g < 0.0, 0.0, g)  # NaN stays NaN, as F.relu
+
+
+@triton.jit
+def _gated_act_quant_kernel(
+    h_ptr, stride_hm,          # h (S, 2I) activation dtype, unit stride in columns
+    q_ptr, s_ptr,              # q (S, I) e4m3; s (S, ceil(I/bk)) float32 (dynamic)
+    offsets_ptr, act_scale_ptr,
+    S, I, E, limit,
+    ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, STATIC: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, EP: tl.constexpr,
+):
+    pid_r = tl.program_id(0)
+    g = tl.program_id(1)
+    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    cg = tl.arange(0, BLOCK_G)
+    cols = g * GROUP + cg
+    cmask = (cg < GROUP) & (cols < I)
+    # rows past offsets[-1] are sentinel slots: nothing downstream reads them
+    expert = expert_of_rows(rows, offsets_ptr, E, EP)
+    rmask = (rows < S) & (expert < E)
+    mask = rmask[:, None] & cmask[None, :]
+    base = h_ptr + rows.to(tl.int64)[:, None] * stride_hm + cols[None, :]
+    gate = tl.load(base, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(base + I, mask=mask, other=0.0).to(tl.float32)
+    if HAS_LIMIT:
+        gate = tl.minimum(gate, limit)
+        up = tl.clamp(up, -limit, limit)
+    a = round_to(_apply_activation(gate, ACT) * up, h_ptr.dtype.element_ty).to(tl.float32)
+    a = tl.where(mask, a, 0.0)
+    if STATIC:
+        scale = tl.load(act_scale_ptr + expert, mask=rmask, other=1.0)
+        q = quantize_static(a, scale[:, None])
+    else:
+        q, s = quantize_dynamic(a)
+        tl.store(s_ptr + rows.to(tl.int64) * tl.cdiv(I, GROUP) + g, s, mask=rmask)
+    tl.store(q_ptr + rows.to(tl.int64)[:, None] * I + cols[None, :], q, mask=mask)

@@ -1,0 +1,44 @@
+"""Checked-in launch configs for the grouped GEMM (no autotuning on a user's call).
+
+``configs/<device>.json`` holds, per bucket of mean rows per active expert, the tile
+sizes, warps and pipeline stages; entries under ``"shapes"`` (key ``"N,K"``) override
+the default list for one weight shape.  The table was produced by
+``bench/bench_moe.py --tune`` on an H200; other GPUs use the same table.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from importlib import resources
+
+import triton
+
+
+@functools.cache
+def _table() -> dict:
+    text = resources.files(__package__).joinpath("configs", "h200.json").read_text()
+    return json.loads(text)
+
+
+def block_k(bk: int) -> int:
+    """The GEMM's K step: the largest power of two <= 128 dividing ``bk`` (one act and
+    one weight scale per step).  Must be >= 16 (the smallest ``tl.dot`` K)."""
+    step = bk & -bk
+    return min(step, 128)
+
+
+def gemm_config(S: int, E: int, N: int, K: int) -> dict:
+    """Launch config for S sorted rows over E experts and an (N, K) weight."""
+    rows = S / max(1, min(E, S))
+    table = _table()
+    entries = table["shapes"].get(f"{N},{K}", table["default"])
+    for entry in entries:
+        if entry["max_rows"] is None or rows <= entry["max_rows"]:
+            cfg = dict(entry)
+            break
+    # tiny problems (tests, T=1): no tile wider than the problem
+    cfg["BM"] = max(16, min(cfg["BM"], triton.next_power_of_2(max(S, 1))))
+    cfg["BN"] = max(16, min(cfg["BN"], triton.next_power_of_2(N)))
+    del cfg["max_rows"]
+    return cfg

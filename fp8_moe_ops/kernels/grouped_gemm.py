@@ -1,0 +1,146 @@
+"""Grouped block-scaled fp8 GEMM over expert-sorted rows, with a device-side tile map.
+
+``out[orow(i)] = sum_k a[arow(i), k] * w[e(i), n, k]`` for the sorted rows i of each
+expert, with per-K-step scales: one activation scale per row and ``bk`` group
+(dynamic) or per expert (static), one weight scale per (``bn``, ``bk``) block (or per
+matrix).  ``BLOCK_K`` divides ``bk``, so each K step multiplies one fp8 ``tl.dot``
+(fresh float32 accumulator, so the fp8 MMA's partial sums are promoted to float32
+every step) by ``a_scale[:, None] * w_scale[None, :]``.
+
+No host sync and a grid independent of the routing: every program reads the (E,)
+``offsets`` and finds its own (expert, row tile) with a cumsum of tiles per expert.
+The grid has ``cdiv(S, BM) + min(E, S) + 1`` row tiles, an upper bound on the tiles
+of E groups plus one tail group; tiles past the tail exit at once.  The tail tiles
+(rows at or past ``offsets[-1]``, i.e. sentinel slots) write zeros, so every output
+row is written.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .quant import round_to
+
+
+@triton.jit
+def load_weight_scale(ws_ptr, idx, mask, SCALE_E8M0: tl.constexpr):
+    """Weight scales as float32; UE8M0 bytes (2^(u-127); 0 -> 2^-127, 255 -> NaN)
+    are expanded in-kernel so the scale grid is never converted on the host."""
+    if SCALE_E8M0:
+        u = tl.load(ws_ptr + idx, mask=mask, other=127).to(tl.int32)
+        bits = tl.where(u == 0, 0x400000, tl.where(u == 255, 0x7FC00000, u << 23))
+        return bits.to(tl.float32, bitcast=True)
+    else:
+        return tl.load(ws_ptr + idx, mask=mask, other=0.0)
+
+
+@triton.jit
+def _grouped_gemm_kernel(
+    a_ptr, stride_am,                        # a (rows, K) e4m3, unit stride in K
+    a_scale_ptr, stride_asm,                 # dynamic: (rows, ceil(K/bk)) f32; static: (E,) f32
+    w_ptr,                                   # w (E, N, K) e4m3 contiguous
+    ws_ptr, stride_wse, stride_wsn, stride_wsk,  # weight scale grid (0 strides broadcast)
+    out_ptr, stride_om,                      # out (rows, N)
+    perm_ptr,                                # (S,) sorted position -> slot (GATHER_A / SCATTER_OUT)
+    offsets_ptr,                             # (E,) int32 inclusive cumsum of rows per expert
+    S, N, E, num_pid_m,
+    K: tl.constexpr,  # constexpr: static trip count (and the interpreter cannot loop to a runtime int)
+    TOPK: tl.constexpr, BN_SCALE: tl.constexpr, BK_SCALE: tl.constexpr,
+    GATHER_A: tl.constexpr, SCATTER_OUT: tl.constexpr, STATIC: tl.constexpr,
+    SCALE_E8M0: tl.constexpr, HAS_OFFSETS: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EP: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_pid_n = tl.cdiv(N, BN)
+    # grouped ordering: GROUP_M row tiles share each weight tile while it is in L2
+    per_group = GROUP_M * num_pid_n
+    first_m = (pid // per_group) * GROUP_M
+    group_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_m
+    pid_n = (pid % per_group) // group_m
+
+    if HAS_OFFSETS:
+        eo = tl.arange(0, EP)
+        emask = eo < E
+        ends = tl.minimum(tl.load(offsets_ptr + eo, mask=emask, other=0), S)
+        starts = tl.minimum(tl.load(offsets_ptr + eo - 1, mask=emask & (eo > 0), other=0), S)
+        tiles = tl.cdiv(tl.maximum(ends - starts, 0), BM)
+        cum = tl.cumsum(tiles, 0)
+        total = tl.sum(tiles, 0)
+        last = tl.max(ends, 0)
+    else:
+        total = tl.cdiv(S, BM)
+        last = S
+
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    nmask = offs_n < N
+    if pid_m >= total:
+        # tail: rows past offsets[-1] belong to no expert; write them as zeros
+        row0 = last + (pid_m - total) * BM
+        if row0 < S:
+            rows = row0 + tl.arange(0, BM)
+            rmask = rows < S
+            if SCATTER_OUT:
+                orow = tl.load(perm_ptr + rows, mask=rmask, other=0)
+            else:
+                orow = rows
+            zero = tl.zeros((BM, BN), dtype=out_ptr.dtype.element_ty)
+            tl.store(out_ptr + orow.to(tl.int64)[:, None] * stride_om + offs_n[None, :], zero,
+                     mask=rmask[:, None] & nmask[None, :])
+        return
+
+    if HAS_OFFSETS:
+        e = tl.sum((cum <= pid_m).to(tl.int32), 0)
+        sel = eo == e
+        row0 = tl.sum(tl.where(sel, starts + (pid_m - (cum - tiles)) * BM, 0), 0)
+        row_end = tl.sum(tl.where(sel, ends, 0), 0)
+    else:
+        e = 0
+        row0 = pid_m * BM
+        row_end = S
+    rows = row0 + tl.arange(0, BM)
+    rmask = rows < row_end
+    if GATHER_A:
+        arow = tl.load(perm_ptr + rows, mask=rmask, other=0) // TOPK
+    else:
+        arow = rows
+    arow = arow.to(tl.int64)
+    e64 = e.to(tl.int64)
+
+    offs_k = tl.arange(0, BK)
+    a_ptrs = a_ptr + arow[:, None] * stride_am + offs_k[None, :]
+    w_ptrs = w_ptr + e64 * N * K + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :]
+    ws_row = ws_ptr + e64 * stride_wse + (offs_n // BN_SCALE) * stride_wsn
+    if STATIC:
+        a_s = tl.load(a_scale_ptr + e)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        kmask = (k0 + offs_k) < K
+        a = tl.load(a_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=nmask[:, None] & kmask[None, :], other=0.0)
+        kg = k0 // BK_SCALE
+        w_s = load_weight_scale(ws_row, kg * stride_wsk, nmask, SCALE_E8M0)
+        if STATIC:
+            scale = a_s * w_s[None, :]
+        else:
+            a_sv = tl.load(a_scale_ptr + arow * stride_asm + kg, mask=rmask, other=0.0)
+            scale = a_sv[:, None] * w_s[None, :]
+        acc += tl.dot(a, tl.trans(w)) * scale
+        a_ptrs += BK
+        w_ptrs += BK
+
+    if SCATTER_OUT:
+        orow = tl.load(perm_ptr + rows, mask=rmask, other=0)
+    else:
+        orow = rows
+    tl.store(out_ptr + orow.to(tl.int64)[:, None] * stride_om + offs_n[None, :],
+             round_to(acc, out_ptr.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])
+
+
+def max_row_tiles(S: int, E: int, BM: int, has_offsets: bool) -> int:
+    """Upper bound on row tiles: each non-empty group adds at most one partial tile
+    (and the tail group one more), whatever the routing."""
+    if not has_offsets:
+        return triton.cdiv(S, BM)
+    return triton.cdiv(S, BM) + min(E, S) + 1

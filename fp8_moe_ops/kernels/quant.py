@@ -1,0 +1,133 @@
+"""Fp8 activation quantisation kernels (dynamic per-token groups, static per expert).
+
+The numerics are :func:`fp8_moe_ops.reference.quantize_act_dynamic` /
+:func:`~fp8_moe_ops.reference.quantize_act_static`, bitwise:
+
+* the division is IEEE (``tl.math.div_rn``): Triton's ``/`` on float32 is approximate;
+* the float32 -> e4m3 rounding is done in float32 arithmetic by :func:`round_to_e4m3`
+  (round to nearest even on the e4m3 grid, sign kept), and only the already exact
+  value is cast.  The GPU's own cast would round the same way, but the Triton
+  interpreter's does not (it rounds 126.24 to 64, ties away from zero, subnormals to
+  0: NOTES.md), and one code path for both lets the CPU tests check the bytes
+  bitwise against torch.  :func:`round_to` does the same for float32 -> bfloat16,
+  which the interpreter truncates.
+
+The ``@triton.jit`` helpers here are shared with the gated-activation kernel.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+FP8_MAX = tl.constexpr(448.0)  # torch.finfo(torch.float8_e4m3fn).max
+
+
+@triton.jit
+def round_to_e4m3(v):
+    """float32 in [-448, 448] (or NaN) -> float8_e4m3fn, round to nearest even.
+
+    e4m3 has 3 mantissa bits and a smallest normal exponent of -6, so the grid step
+    at |v| in [2^e, 2^(e+1)) is 2^(max(e, -6) - 3) (subnormals share the step of
+    the smallest binade).  ``(y + 1.5 * 2^23) - 1.5 * 2^23`` rounds y (< 2^22) to
+    an integer with the FPU's round-to-nearest-even; the scalings are by powers of
+    two, hence exact."""
+    bits = v.to(tl.int32, bitcast=True)
+    sign = (bits >> 31) << 31
+    exp = ((bits >> 23) & 0xFF) - 127
+    step_exp = tl.maximum(exp, -6) - 3
+    inv_step = ((127 - step_exp) << 23).to(tl.float32, bitcast=True)
+    step = ((127 + step_exp) << 23).to(tl.float32, bitcast=True)
+    y = tl.abs(v) * inv_step
+    r = (y + 12582912.0) - 12582912.0
+    res = ((r * step).to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+    return res.to(tl.float8e4nv)
+
+
+@triton.jit
+def round_to(x, dtype: tl.constexpr):
+    """float32 -> ``dtype`` (bf16 / fp16 / fp32) rounding to nearest even.
+
+    bf16 is rounded in integer arithmetic on the float32 bits (add 0x7FFF plus the
+    lowest kept bit, clear the low half; NaN kept as is), then cast exactly."""
+    if dtype == tl.bfloat16:
+        bits = x.to(tl.int32, bitcast=True)
+        rounded = (bits + (0x7FFF + ((bits >> 16) & 1))) & -65536
+        r = tl.where(x != x, x, rounded.to(tl.float32, bitcast=True))
+        return r.to(tl.bfloat16)
+    else:
+        return x.to(dtype)
+
+
+@triton.jit
+def quantize_static(x, scale):
+    """x float32 (..., C), scale float32 broadcasting -> e4m3(clamp(x / scale))."""
+    v = tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+    return round_to_e4m3(v)
+
+
+@triton.jit
+def quantize_dynamic(x):
+    """x float32 (R, C), one quantisation group per row (columns past the group must
+    be 0) -> (q e4m3 (R, C), scale float32 (R,)), scale = amax / 448, 0 -> q = 0."""
+    amax = tl.max(tl.abs(x), axis=1)
+    s = tl.math.div_rn(amax, FP8_MAX)
+    safe = tl.where(s == 0.0, 1.0, s)
+    return quantize_static(x, safe[:, None]), s
+
+
+@triton.jit
+def expert_of_rows(rows, offsets_ptr, E, EP: tl.constexpr):
+    """Expert id of each sorted row: the number of inclusive offsets <= row (E when the
+    row is past ``offsets[-1]``, i.e. belongs to no expert)."""
+    eo = tl.arange(0, EP)
+    ends = tl.load(offsets_ptr + eo, mask=eo < E, other=0)
+    hit = (ends[None, :] <= rows[:, None]) & (eo < E)[None, :]
+    return tl.sum(hit.to(tl.int32), axis=1)
+
+
+@triton.jit
+def _quant_kernel(
+    x_ptr, stride_xm, stride_xk,  # x (rows of the source, K) float
+    q_ptr, s_ptr,                  # q (R, K) e4m3 contiguous; s (R, G) float32 (dynamic)
+    perm_ptr, offsets_ptr, act_scale_ptr,
+    R, K, E,
+    TOPK: tl.constexpr, GROUP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr,
+    EP: tl.constexpr, STATIC: tl.constexpr, GATHER: tl.constexpr,
+):
+    # program (row block, K group); dynamic quantises x's rows in place order, static
+    # quantises the expert-sorted rows (source row perm[i] // TOPK when GATHER) with
+    # the scale of the row's expert.
+    pid_r = tl.program_id(0)
+    g = tl.program_id(1)
+    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    cg = tl.arange(0, BLOCK_G)
+    cols = g * GROUP + cg
+    cmask = (cg < GROUP) & (cols < K)
+    rmask = rows < R
+    if STATIC:
+        expert = expert_of_rows(rows, offsets_ptr, E, EP)
+        rmask = rmask & (expert < E)
+        if GATHER:
+            src = tl.load(perm_ptr + rows, mask=rmask, other=0) // TOPK
+        else:
+            src = rows
+    else:
+        src = rows
+    mask = rmask[:, None] & cmask[None, :]
+    x = tl.load(x_ptr + src.to(tl.int64)[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask, other=0.0)
+    x = x.to(tl.float32)
+    if STATIC:
+        scale = tl.load(act_scale_ptr + expert, mask=rmask, other=1.0)
+        q = quantize_static(x, scale[:, None])
+    else:
+        q, s = quantize_dynamic(x)
+        tl.store(s_ptr + rows.to(tl.int64) * tl.cdiv(K, GROUP) + g, s, mask=rmask)
+    tl.store(q_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], q, mask=mask)
+
+
+def quant_launch_shape(rows: int, K: int, group: int) -> tuple[tuple[int, int], int, int]:
+    """(grid, BLOCK_R, BLOCK_G) for quantising ``rows`` x ``K`` in groups of ``group``."""
+    block_g = triton.next_power_of_2(group)
+    block_r = max(1, min(16, 4096 // block_g))
+    return (triton.cdiv(rows, block_r), triton.cdiv(K, group)), block_r, block_g

@@ -1,0 +1,356 @@
+"""The Triton kernels run on CPU under ``TRITON_INTERPRET=1``, against the reference.
+
+``triton.jit`` decides at decoration time whether a function is interpreted, Triton's
+own ``tl.sum`` / ``tl.cdiv`` / ... included (decorated when ``triton`` is imported).
+So the variable is set before anything imports Triton.  When another test module
+imported Triton first (compiled mode, e.g. through ``torch.compile``), this module's
+tests are skipped in that process and :func:`test_in_fresh_interpreter_process`
+runs this file in a fresh process instead, so the suite checks the kernels either
+way.  Tiny shapes and small blocks ([16, 16], [32, 32]) keep the interpreter fast.
+
+Interpreter caveats (NOTES.md): its float32 -> e4m3 cast is wrong (126.24 -> 64,
+ties away from zero, subnormals -> 0) and its float32 -> bf16 cast truncates.  The
+kernels never rely on either: they round in float32 / integer arithmetic
+(``round_to_e4m3``, ``round_to``) and only cast exact values, the same code on the
+GPU.  So the quantised bytes are compared *bitwise* with torch here, and the GEMM
+outputs differ from the reference only by float32 summation order (at most one ulp
+of the output dtype after rounding).  ``bench/check_gpu.py`` repeats these checks on
+the H200.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+if "triton" not in sys.modules:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+INTERPRETED = isinstance(tl.cdiv, InterpretedFunction)
+if INTERPRETED:
+    from fp8_moe_ops import kernels, reference, routing
+    from fp8_moe_ops.kernels import moe
+    from fp8_moe_ops.kernels.grouped_gemm import _grouped_gemm_kernel
+else:
+    from fp8_moe_ops import reference
+
+
+
+@pytest.fixture(autouse=True)
+def _interpreted_only(request):
+    if not INTERPRETED and request.node.name != "test_in_fresh_interpreter_process":
+        pytest.skip("Triton was imported in compiled mode by an earlier test module; "
+                    "test_in_fresh_interpreter_process runs this file in a new process")
+
+
+E8M0 = torch.float8_e8m0fnu
+FP8 = torch.float8_e4m3fn
+
+
+@pytest.mark.skipif(INTERPRETED, reason="this process already runs the kernels interpreted")
+def test_in_fresh_interpreter_process():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    res = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", __file__],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-5000:] + res.stderr[-2000:]
+    summary = res.stdout.strip().splitlines()[-1]
+    assert " passed" in summary and "1 skipped" in summary, summary  # skipped: this test, in the child
+
+
+def test_kernels_are_interpreted():
+    # a compiled kernel cannot run on CPU tensors
+    assert isinstance(_grouped_gemm_kernel, InterpretedFunction)
+
+
+# --------------------------------------------------------------------------- builders
+
+
+def _weights(gen, E, N, K, block, scale_dtype=torch.float32, per_tensor=False, std=0.1):
+    """(E, N, K) e4m3 and its scale grid, or one scale per matrix ((E, 1, 1))."""
+    w = torch.randn(E, N, K, generator=gen) * std
+    if not per_tensor:
+        return reference.quantize_weight_blockwise(w, block, scale_dtype)
+    scale = w.abs().amax(dim=(1, 2), keepdim=True) / reference.FP8_MAX
+    if scale_dtype == E8M0:
+        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+    return (w / scale).clamp(-448, 448).to(FP8), scale.to(scale_dtype)
+
+
+def _routing(gen, T, k, E, kind):
+    if kind == "one":  # all tokens on one expert
+        idx = torch.full((T, k), E - 1, dtype=torch.long)
+    else:
+        scores = torch.rand(T, E, generator=gen)
+        if kind == "empty":  # expert 1 gets no token
+            scores[:, 1] = -1
+        idx = torch.topk(scores, min(k, E), dim=1).indices
+        if kind == "sentinel" and T:
+            idx[::2, 0] = -1  # expert-parallel sentinels, below and above [0, E)
+            idx[1::3, -1] = E + 3
+            idx[0, :] = E  # a token with no local expert at all: exactly zero
+    return idx, torch.rand(T, k, generator=gen)
+
+
+def _ulp_close(out, ref):
+    """Equal up to one unit of the output dtype (float32 summation order, then
+    rounding), with a tiny absolute slack for cancellation near zero."""
+    eps = torch.finfo(out.dtype).eps
+    scale = ref.float().abs().max().item() if ref.numel() else 0.0
+    torch.testing.assert_close(out.float(), ref.float(), rtol=eps, atol=1e-5 * scale + 1e-30)
+
+
+def _rel(out, ref):
+    out, ref = out.double(), ref.double()
+    n = ref.norm().item()
+    return (out - ref).norm().item() / n if n else (out - ref).norm().item()
+
+
+# --------------------------------------------------------------------------- quantisation
+
+
+def _e4m3_edge_values():
+    """Every finite e4m3 value, the midpoints between neighbours (ties: round to
+    even), one float32 ulp either side of each midpoint, subnormals, +-0, +-448 and
+    values past it (saturate)."""
+    grid = torch.arange(0, 256, dtype=torch.uint8).view(FP8).float()
+    grid = grid[torch.isfinite(grid)].unique()
+    mids = (grid[1:] + grid[:-1]) / 2
+    ups, downs = torch.nextafter(mids, torch.tensor(1e9)), torch.nextafter(mids, torch.tensor(-1e9))
+    v = torch.cat([grid, mids, ups, downs, torch.tensor([0.0, -0.0, 500.0, -1e6, 1e-3, 126.24, 17.0])])
+    return v
+
+
+def test_static_quantisation_rounds_like_torch_bitwise():
+    # one row per value, scale 1: every e4m3 rounding case incl. the interpreter's bad ones
+    v = _e4m3_edge_values()
+    x = v[:, None].expand(-1, 16).contiguous()
+    offsets = torch.tensor([x.shape[0]], dtype=torch.int32)
+    scale = torch.ones(1)
+    q, _ = moe._quantize(x, 16, x.shape[0], offsets=offsets, act_scale=scale)
+    ref = reference.quantize_act_static(x, scale)
+    assert torch.equal(q.view(torch.uint8), ref.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("T,K,group", [
+    (1, 16, 16),   # T=1
+    (7, 40, 16),   # K not a multiple of the group (tail group of 8)
+    (5, 96, 32),   # several groups
+])
+def test_dynamic_quantisation_bitwise(dtype, T, K, group):
+    gen = torch.Generator().manual_seed(T * K)
+    x = (torch.randn(T, K, generator=gen) * torch.logspace(-3, 3, K)).to(dtype)
+    x[0, :group] = 0  # all-zero group: scale 0, q 0, no NaN
+    q, s = moe._quantize(x, group, T)
+    rq, rs = reference.quantize_act_dynamic(x, group)
+    assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
+    assert torch.equal(s, rs)
+    assert s[0, 0] == 0 and not q.float().isnan().any()
+
+
+# --------------------------------------------------------------------------- GEMMs
+
+_GEMM_CASES = {
+    # name: (S, E, N, K, block)
+    "T1": (1, 3, 40, 48, [16, 16]),
+    "T_lt_block_prime_E": (9, 5, 24, 40, [16, 16]),  # K, N not multiples of the block
+    "block32": (20, 3, 70, 96, [32, 32]),
+    "bn_ne_bk": (12, 2, 50, 64, [48, 32]),  # bn not a power of two, bn != bk
+}
+
+
+@pytest.mark.parametrize("case", list(_GEMM_CASES))
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+@pytest.mark.parametrize("scale_dtype", [torch.float32, E8M0], ids=["f32", "ue8m0"])
+def test_linear(case, static, scale_dtype):
+    S, _, N, K, block = _GEMM_CASES[case]
+    gen = torch.Generator().manual_seed(S + N)
+    w, ws = _weights(gen, 1, N, K, block, scale_dtype)
+    x = torch.randn(S, K, generator=gen).to(torch.bfloat16)
+    a = torch.tensor([0.01]) if static else None
+    for out_dtype in (None, torch.float32):
+        out = kernels.linear(x, w[0], ws[0], block, a, out_dtype)
+        ref = reference.linear(x, w[0], ws[0], block, a, out_dtype)
+        assert out.dtype == ref.dtype and out.shape == ref.shape
+        _ulp_close(out, ref)
+
+
+def _counts_to_offsets(counts):
+    return torch.tensor(counts, dtype=torch.int32).cumsum(0).to(torch.int32)
+
+
+@pytest.mark.parametrize("counts,S", [
+    ([3, 0, 5], 8),          # an expert with no rows
+    ([0, 0, 9], 9),          # all rows on the last expert
+    ([2, 1, 1, 3, 0, 4, 2], 17),  # prime E = 7, rows past offsets[-1] (-> zeros)
+    ([1], 1),                # T = 1, E = 1
+    ([0, 0], 3),             # no row belongs to any expert: all zeros
+])
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+@pytest.mark.parametrize("per_tensor", [False, True], ids=["blocks", "per_tensor"])
+def test_grouped_mm(counts, S, static, per_tensor):
+    E, N, K, block = len(counts), 24, 40, [16, 16]
+    gen = torch.Generator().manual_seed(S * 31 + E)
+    w, ws = _weights(gen, E, N, K, block, per_tensor=per_tensor)
+    x = torch.randn(S, K, generator=gen).to(torch.float16)
+    offsets = _counts_to_offsets(counts)
+    a = torch.rand(E, generator=gen) * 0.01 + 0.002 if static else None
+    out = kernels.grouped_mm(x, w, ws, offsets, block, a)
+    ref = reference.grouped_mm(x, w, ws, offsets, block, a)
+    _ulp_close(out, ref)
+    tail = int(offsets[-1])
+    assert torch.equal(out[tail:], torch.zeros_like(out[tail:]))  # written, as zeros
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+@pytest.mark.parametrize("scale_dtype", [torch.float32, E8M0], ids=["f32", "ue8m0"])
+def test_batched_mm_with_sentinels(static, scale_dtype):
+    E, S, N, K, block = 5, 19, 40, 48, [16, 16]
+    gen = torch.Generator().manual_seed(7)
+    w, ws = _weights(gen, E, N, K, block, scale_dtype)
+    x = torch.randn(S, K, generator=gen).to(torch.bfloat16)
+    ids = torch.randint(0, E, (S,), generator=gen).to(torch.int32)
+    ids[1] = 3  # expert 2 gets no row
+    ids[ids == 2] = -1
+    ids[::5] = E  # sentinels
+    a = torch.rand(E, generator=gen) * 0.01 + 0.002 if static else None
+    out = kernels.batched_mm(x, w, ws, ids, block, a)
+    ref = reference.batched_mm(x, w, ws, ids, block, a)
+    _ulp_close(out, ref)
+    sentinel = (ids < 0) | (ids >= E)
+    assert torch.equal(out[sentinel], torch.zeros_like(out[sentinel]))
+
+
+@pytest.mark.parametrize("op", ["linear", "grouped_mm", "batched_mm"])
+def test_gemm_zero_rows(op):
+    # T = 0: an empty (0, N) result, no launch
+    w, ws = _weights(torch.Generator().manual_seed(0), 2, 24, 32, [16, 16])
+    x = torch.empty(0, 32, dtype=torch.bfloat16)
+    if op == "linear":
+        out = kernels.linear(x, w[0], ws[0], [16, 16])
+    elif op == "grouped_mm":
+        out = kernels.grouped_mm(x, w, ws, torch.zeros(2, dtype=torch.int32), [16, 16])
+    else:
+        out = kernels.batched_mm(x, w, ws, torch.zeros(0, dtype=torch.long), [16, 16])
+    assert out.shape == (0, 24) and out.dtype == torch.bfloat16
+
+
+# --------------------------------------------------------------------------- experts
+
+_EXPERT_CASES = {
+    # name: (T, E, H, I, k, block, routing)
+    "T1": (1, 4, 48, 32, 2, [16, 16], "uniform"),
+    "T_lt_block_prime_E": (5, 7, 40, 24, 3, [16, 16], "uniform"),  # H, I not multiples of 16
+    "empty_expert": (9, 4, 48, 40, 2, [16, 16], "empty"),
+    "one_expert": (11, 3, 32, 16, 2, [16, 16], "one"),  # all tokens on one expert
+    "sentinels": (12, 5, 48, 24, 3, [16, 16], "sentinel"),
+    "block32": (6, 3, 96, 48, 2, [32, 32], "uniform"),  # I = 48: a tail group of 16
+}
+
+
+def _experts_args(case, dtype, scale_dtype, static, per_tensor=False, seed=0):
+    T, E, H, I, k, block, kind = _EXPERT_CASES[case]
+    gen = torch.Generator().manual_seed(seed)
+    gu, gus = _weights(gen, E, 2 * I, H, block, scale_dtype, per_tensor)
+    dp, dps = _weights(gen, E, H, I, block, scale_dtype, per_tensor)
+    idx, wts = _routing(gen, T, k, E, kind)
+    args = [torch.randn(T, H, generator=gen).to(dtype), idx, wts, gu, gus, dp, dps, block]
+    kw = {}
+    if static:  # plausible calibrated scales, small enough that some values saturate
+        kw = dict(gate_up_act_scale=torch.rand(E, generator=gen) * 0.005 + 0.004,
+                  down_act_scale=torch.rand(E, generator=gen) * 0.0005 + 0.0003)
+    return args, kw
+
+
+def _check_experts(args, kw):
+    out = kernels.grouped_experts(*args, **kw)
+    ref = reference.grouped_experts(*args, **kw)
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    assert not out.isnan().any()
+    # A one-ulp difference in h (summation order) can move one element of the
+    # re-quantised activation by one e4m3 step (6%): a relative bound, not bitwise.
+    # Indexing or scaling bugs give errors of order 1.
+    assert _rel(out, ref) < 1e-2
+    idx = args[1]
+    E = args[3].shape[0]
+    none = ((idx < 0) | (idx >= E)).all(dim=1)
+    assert torch.equal(out[none], torch.zeros_like(out[none]))  # sentinel-only tokens: exactly 0
+    batched = kernels.batched_experts(*args, **kw)
+    assert torch.equal(batched, out)  # same machinery: bitwise
+    return out
+
+
+@pytest.mark.parametrize("case", list(_EXPERT_CASES))
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_experts_shapes(case, static):
+    _check_experts(*_experts_args(case, torch.bfloat16, torch.float32, static))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("scale_dtype", [torch.float32, E8M0], ids=["f32", "ue8m0"])
+@pytest.mark.parametrize("per_tensor", [False, True], ids=["blocks", "per_tensor"])
+def test_experts_dtypes_and_scales(dtype, scale_dtype, per_tensor):
+    _check_experts(*_experts_args("sentinels", dtype, scale_dtype, static=False, per_tensor=per_tensor, seed=3))
+
+
+@pytest.mark.parametrize("activation,limit", [("silu", 0.5), ("gelu", None), ("gelu_tanh", None), ("relu", 1.0)])
+def test_experts_activations(activation, limit):
+    args, kw = _experts_args("T_lt_block_prime_E", torch.bfloat16, torch.float32, static=True, seed=5)
+    args = args + [activation]
+    kw["swiglu_limit"] = limit
+    _check_experts(args, kw)
+
+
+def test_experts_int32_ids_and_bf16_weights():
+    args, kw = _experts_args("sentinels", torch.bfloat16, torch.float32, static=False, seed=9)
+    args[1] = args[1].to(torch.int32)
+    args[2] = args[2].to(torch.bfloat16)
+    _check_experts(args, kw)
+
+
+def test_experts_empty_tokens():
+    args, _ = _experts_args("T1", torch.bfloat16, torch.float32, static=False)
+    args[0], args[1], args[2] = args[0][:0], args[1][:0], args[2][:0]
+    out = kernels.grouped_experts(*args)
+    assert out.shape == (0, args[0].shape[1])
+
+
+def test_experts_deterministic():
+    args, kw = _experts_args("sentinels", torch.bfloat16, torch.float32, static=False, seed=11)
+    assert torch.equal(kernels.grouped_experts(*args, **kw), kernels.grouped_experts(*args, **kw))
+
+
+def test_sort_slots_layout():
+    # perm: sorted position -> slot, stable; offsets: inclusive cumsum, sentinels excluded
+    idx = torch.tensor([[2, -1], [0, 2], [5, 0]])
+    perm, offsets = routing.sort_slots(idx, 3)
+    assert perm.tolist() == [2, 5, 0, 3, 1, 4]
+    assert offsets.tolist() == [2, 2, 4]
+
+
+@pytest.mark.parametrize("S,E", [(1, 3), (8, 256), (300, 7), (2048, 5), (2049, 4)])  # 2049: torch path
+def test_sort_kernel_matches_torch_sort(S, E):
+    # the one-launch sort (S <= 2048) must give the torch path's permutation and offsets
+    gen = torch.Generator().manual_seed(S)
+    ids = torch.randint(-2, E + 2, (S,), generator=gen)  # incl. sentinels on both sides
+    perm, offsets = moe._sort_slots(ids, E)
+    rperm, roffsets = routing.sort_slots(ids, E)
+    assert torch.equal(perm.long(), rperm) and torch.equal(offsets, roffsets)
+
+
+def test_strided_act_scale_and_offsets():
+    # act scales / offsets passed as strided views are read as the values they show
+    E, S, N, K, block = 3, 10, 24, 32, [16, 16]
+    gen = torch.Generator().manual_seed(13)
+    w, ws = _weights(gen, E, N, K, block)
+    x = torch.randn(S, K, generator=gen).to(torch.bfloat16)
+    a = (torch.rand(2 * E, generator=gen) * 0.01 + 0.002)[::2]
+    offsets = torch.tensor([3, 3, 0, 7, 0, 10], dtype=torch.int32)[1::2]  # [3, 7, 10]
+    out = kernels.grouped_mm(x, w, ws, offsets, block, a)
+    _ulp_close(out, reference.grouped_mm(x, w, ws, offsets, block, a))
