@@ -12,9 +12,12 @@ from .reference import FP8_MAX
 
 
 def _scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
-    """amax -> dequant multiplier ``amax / 448``.  Experts that saw no token (amax 0)
-    take the largest scale of their layer, so they never saturate needlessly."""
-    fallback = amax.max() if amax.numel() and bool((amax > 0).any()) else torch.ones((), device=amax.device)
+    """amax (one value, or (2, E): gate_up and down inputs per expert) -> dequant
+    multiplier ``amax / 448``.  An expert that saw no token (amax 0) takes the largest
+    scale of its projection in the layer, so it never saturates needlessly; a layer
+    that saw nothing at all gets scale 1 / 448."""
+    seen = amax.amax(dim=-1, keepdim=True) if amax.dim() else amax
+    fallback = torch.where(seen > 0, seen, torch.ones_like(seen))
     return torch.where(amax > 0, amax, fallback) / FP8_MAX
 
 

@@ -121,6 +121,9 @@ def linear(
     """x (M, K) @ dequant(w (N, K))^T -> (M, N), activations quantised to fp8 first
     (dynamic per-token groups, or static with the one-element ``act_scale``)."""
     bk = block_size[1]
+    # Elementwise ops keep the input's layout and the GEMM's summation order depends on
+    # it: a contiguous copy makes the result independent of how x is strided.
+    x = x.contiguous()
     if act_scale is None:
         q, s = quantize_act_dynamic(x, bk)
         xd = dequantize_act(q, s, bk)

@@ -84,6 +84,8 @@ def test_calibration_expert_without_tokens_takes_layer_max():
     fp8_moe_ops.calibrate_static_scales(m, [(torch.randn(2, 96), idx, torch.ones(2, 2))])
     s = m.gate_up_proj_activation_scale
     assert s[3] == s[:3].max() and (s > 0).all()
+    d = m.down_proj_activation_scale  # the fallback is per projection, not across both
+    assert d[3] == d[:3].max()
 
 
 def test_module_argument_errors():
