@@ -11,14 +11,16 @@ from . import reference
 
 def quantize_weight(
     w: torch.Tensor,
-    block_size: Sequence[int] = (128, 128),
+    block_size: Sequence[int] | None = (128, 128),
     scale_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Block-quantise weights to fp8 (DeepSeek-V3 layout).
 
     Args:
         w: (N, K) or (E, N, K) float weights (any float dtype).
-        block_size: ``[bn, bk]``; N and K need not be multiples of it.
+        block_size: ``[bn, bk]``; N and K need not be multiples of it.  ``None``: one
+            scale per matrix (per-tensor weights), a (..., 1, 1) grid that every op
+            accepts with any ``block_size``.
         scale_dtype: ``torch.float32`` (``amax / 448``) or ``torch.float8_e8m0fnu``
             (UE8M0, ``2 ** ceil(log2(amax / 448))``, so no weight saturates).
 
@@ -33,6 +35,8 @@ def quantize_weight(
         raise TypeError(f"w: expected a float32/bfloat16/float16 tensor, got {w.dtype}")
     if w.dim() not in (2, 3):
         raise ValueError(f"w: expected a 2-D (N, K) or 3-D (E, N, K) tensor, got shape {tuple(w.shape)}")
+    if block_size is None:
+        block_size = w.shape[-2:]
     if len(block_size) != 2 or min(block_size) <= 0:
         raise ValueError(f"block_size: expected two positive ints [bn, bk], got {list(block_size)}")
     if scale_dtype not in (torch.float32, torch.float8_e8m0fnu):

@@ -20,16 +20,9 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def make_expert_weights(E, N, K, block_size, scale_dtype=torch.float32, per_tensor=False, std=0.1, gen=None):
-    """Random (E, N, K) weights quantised by this package (or per-tensor, (E, 1, 1))."""
+    """Random (E, N, K) weights quantised by this package, block-wise or per tensor ((E, 1, 1))."""
     w = torch.randn(E, N, K, generator=gen) * std
-    if not per_tensor:
-        return fp8_moe_ops.quantize_weight(w, block_size, scale_dtype)
-    amax = w.abs().amax(dim=(1, 2), keepdim=True)
-    scale = amax / reference.FP8_MAX
-    if scale_dtype == torch.float8_e8m0fnu:
-        scale = torch.exp2(torch.ceil(torch.log2(scale)))
-    q = (w / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
-    return q, scale.to(scale_dtype)
+    return fp8_moe_ops.quantize_weight(w, None if per_tensor else block_size, scale_dtype)
 
 
 def make_routing(T, k, E, kind="uniform", gen=None):

@@ -92,3 +92,15 @@ def test_quantize_weight_rejects_bad_input(bad, exc, match):
     kwargs = dict(w=torch.randn(4, 4), block_size=(128, 128), scale_dtype=torch.float32) | bad
     with pytest.raises(exc, match=match):
         fp8_moe_ops.quantize_weight(**kwargs)
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.float8_e8m0fnu])
+def test_quantize_weight_per_tensor(scale_dtype):
+    w = torch.randn(3, 200, 72) * 0.05
+    q, s = fp8_moe_ops.quantize_weight(w, None, scale_dtype)  # one scale per matrix
+    assert s.shape == (3, 1, 1) and s.dtype == scale_dtype
+    expected = w.abs().amax(dim=(1, 2), keepdim=True) / 448
+    if scale_dtype == torch.float8_e8m0fnu:
+        expected = torch.exp2(torch.ceil(torch.log2(expected)))
+    assert torch.equal(s.float(), expected)
+    assert torch.equal(q.view(torch.uint8), (w / expected).clamp(-448, 448).to(E4M3).view(torch.uint8))
