@@ -399,6 +399,9 @@ def analyse(steps: list, pos: dict) -> Loop | None:
         _, rows, value = accumulation_step(s)
         co = _coord(rows)
         if co is None:
+            if _coord(_strip_int_casts(rows)) is not None:
+                # e.g. index_add_(0, tok.int(), ...): an expert loop, but not a spelling we prove
+                raise Skip("the token index of an accumulation step is a cast torch.where coordinate")
             return None
         bodies.append((co[0], _body(value, co[0], pos)))
     linears = [n for _, b in bodies for n in b if is_call(n, LINEAR)]

@@ -49,7 +49,7 @@ def _stack(ts: list, what: str) -> torch.Tensor:
     exactly its rows (frozen ``w[e]`` views: no copy), else a stacked copy (once)."""
     base = ts[0]._base
     if (base is not None and base.dim() == ts[0].dim() + 1 and base.is_contiguous()
-            and all(t._base is base for t in ts)):
+            and all(t._base is base and t.dtype == base.dtype for t in ts)):
         if all(t.data_ptr() == base[i].data_ptr() and t.shape == base[i].shape and t.stride() == base[i].stride()
                for i, t in enumerate(ts)):
             if base.shape[0] != len(ts):

@@ -253,9 +253,9 @@ graph():
     return (grouped_experts_default,)""")
         # The loop computes act(gate) * up in bf16 and accumulates in bf16; the grouped
         # op rounds once, in float32.  It must equal the op on the hand-stacked weights
-        # bitwise, and be as accurate as the loop: its error against the float64 layer
-        # at most 1.25x the loop's (both are dominated by fp8 activations; measured
-        # ratios 0.93-1.06 over 8 seeds).
+        # bitwise, and be as accurate as the loop: its RMS error against the float64
+        # layer at most 1.25x the loop's (both are dominated by fp8 activations; RMS
+        # ratio mean 1.00, max 1.047 over 200 seeds, see error_vs).
         x, idx, w = args
         ref_op = torch.ops.fp8_moe.grouped_experts(x, idx, w, *stacked_from_mixtral(m), list(BLOCK), "silu")
         self.assertTrue(torch.equal(out, ref_op))

@@ -54,17 +54,19 @@ class Loop(nn.Module):
     act_fn: the activation of the "slice"/"swapped" split (F.silu unless given);
     aux: also return the last expert's output (near miss: an intermediate escapes the loop);
     peek: also return the partial sum after expert 1 (near miss: a partial sum escapes).
+    tok_int: accumulate with ``index_add_(0, tok.int(), ...)`` (a spelling the pass skips).
     """
 
     def __init__(self, ex: FP8Experts, mask="eq", gather="index", split="chunk", routing="none_index",
                  experts=None, shift=0, extra=False, bias=False, acc="zeros", act_fn=F.silu, aux=False,
-                 peek=False):
+                 peek=False, tok_int=False):
         super().__init__()
         self.ex = ex
         self.mask, self.gather, self.split, self.routing = mask, gather, split, routing
         self.experts = list(range(ex.num_experts)) if experts is None else experts
         self.shift, self.extra, self.acc, self.act_fn, self.aux, self.peek = shift, extra, acc, act_fn, aux, peek
         self.bias = nn.Parameter(torch.full((H,), 0.5), requires_grad=False) if bias else None
+        self.tok_int = tok_int
 
     def _act(self, h):
         ex = self.ex
@@ -109,7 +111,7 @@ class Loop(nn.Module):
                 r = top_k_weights[tok, pos].unsqueeze(-1)
             else:
                 r = top_k_weights[tok, 0, None]
-            out.index_add_(0, tok, y.float() * r.float())
+            out.index_add_(0, tok.int() if self.tok_int else tok, y.float() * r.float())
             if self.peek and e == 1:
                 partial = out.clone()
         out = out if self.acc == "float32_out" else out.to(hidden.dtype)
@@ -233,4 +235,8 @@ def ideal_output(gate_up, gate_up_scale, down, down_scale, x, top_k_index, top_k
 
 
 def error_vs(out, ideal) -> float:
-    return (out.double() - ideal).abs().max().item()
+    """Root-mean-square error against the float64 layer.  RMS, not max: one bf16 ulp of
+    difference in act(gate) * up can flip an fp8 rounding of the down projection's
+    input, so the max error of two equally accurate layers differs by up to ~1.6x on
+    rare inputs (200-seed scan), while their RMS errors agree within 5%."""
+    return (out.double() - ideal).pow(2).mean().sqrt().item()
