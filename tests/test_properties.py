@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 import fp8_moe_ops
 
-from helpers import REL_BOUND, experts_float64, make_experts_inputs, rel_err
+from helpers import REL_BOUND, assert_agree, experts_float64, make_experts_inputs, rel_err
 
 OPS = torch.ops.fp8_moe
 
@@ -33,13 +33,15 @@ def moe_inputs(draw):
     )
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# derandomize: CI runs the same examples every time (no flaky first-seen failures);
+# widen the search locally with --hypothesis-seed or a larger max_examples.
+@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(moe_inputs(), st.sampled_from(["silu", "gelu", "gelu_tanh", "relu"]))
 def test_dispatches_agree_with_each_other_and_float64(case, activation):
     args = make_experts_inputs(**case)
     args["activation"] = activation
     grouped = OPS.grouped_experts(**args)
-    assert torch.equal(grouped, OPS.batched_experts(**args))
+    assert_agree(grouped, OPS.batched_experts(**args))
     E, H, I = case["E"], case["H"], case["I"]
     mod = fp8_moe_ops.FP8Experts(E, H, I, case["block_size"], activation,
                                  "static" if case["static"] else "dynamic", scale_dtype=case["scale_dtype"])
@@ -49,7 +51,7 @@ def test_dispatches_agree_with_each_other_and_float64(case, activation):
                       ("down_proj_activation_scale", "down_act_scale")]:
         if key in args:
             getattr(mod, name).data = args[key]
-    assert torch.equal(grouped, mod(args["hidden"], args["top_k_index"], args["top_k_weights"]))
+    assert_agree(grouped, mod(args["hidden"], args["top_k_index"], args["top_k_weights"]))
     if case["T"]:
         assert not torch.isnan(grouped).any()
         # Two roundings to the activation dtype separate the op from the yardstick.
