@@ -111,3 +111,24 @@ def test_errors_also_raise_under_fake_tensors():
     a = _linear_args() | dict(x=torch.randn(4, 95))
     with pytest.raises(Exception, match="x: expected last dim K = 96"):
         torch.compile(lambda **kw: OPS.linear(**kw), fullgraph=True, backend="eager")(**a)
+
+
+def test_overlapping_activations_accepted():
+    # an expanded (stride-0, overlapping) x is read as the values it shows
+    a = _linear_args()
+    row = torch.randn(1, 96, dtype=torch.bfloat16)
+    x = row.expand(4, 96)
+    out = OPS.linear(**(a | dict(x=x)))
+    assert torch.equal(out, OPS.linear(**(a | dict(x=x.contiguous()))))
+    assert torch.equal(out[0], out[3])
+
+
+def test_inf_activation_saturates_under_static_scales_only_in_its_row():
+    a = make_experts_inputs(6, 3, 64, 32, 2, [32, 32], static=True)
+    clean = OPS.grouped_experts(**a)
+    a["hidden"][2, 5] = float("inf")
+    out = OPS.grouped_experts(**a)
+    assert torch.isfinite(out).all()  # +-448 after the static clamp, never NaN
+    rows = [0, 1, 3, 4, 5]
+    assert torch.equal(out[rows], clean[rows])  # no other token's row changes
+    assert not torch.equal(out[2], clean[2])
