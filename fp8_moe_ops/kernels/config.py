@@ -2,8 +2,9 @@
 
 ``configs/<device>.json`` holds, per bucket of mean rows per active expert, the tile
 sizes, warps and pipeline stages; entries under ``"shapes"`` (key ``"N,K"``) override
-the default list for one weight shape.  The table was produced by
-``bench/bench_moe.py --tune`` on an H200; other GPUs use the same table.
+the default list for one weight shape.  The table was written from the sweep of
+``bench/tune.py`` on an H200 (winners per bucket, by hand: see docs/benchmarks.md);
+other GPUs use the same table.
 """
 
 from __future__ import annotations
