@@ -222,22 +222,47 @@ def sort_by_expert(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.T
     return perm, offsets
 
 
+def grouped_pipeline(hidden, top_k_index, top_k_weights, num_experts, gate_up_gemm, down_gemm,
+                     activation="silu", swiglu_limit=None) -> torch.Tensor:
+    """The grouped expert forward around two GEMMs: sort slots by expert, gate_up,
+    activation, down, routing weight, combine.  ``gate_up_gemm(x_sorted, offsets)`` and
+    ``down_gemm(a_sorted, offsets)`` are grouped GEMMs over the (E,) inclusive
+    ``offsets`` (the reference's, or ``torch.ops.fp8_moe.grouped_mm`` with a block size
+    of its own per projection).  hidden (T, H) -> (T, H)."""
+    k = top_k_index.shape[1]
+    perm, offsets = sort_by_expert(top_k_index, num_experts)
+    h = gate_up_gemm(hidden[perm // k], offsets)
+    a = gated_activation(h, activation, swiglu_limit)
+    y_sorted = down_gemm(a, offsets)
+    y = torch.empty_like(y_sorted)
+    y[perm] = y_sorted  # back to slot order
+    return combine(y, top_k_index, top_k_weights, num_experts, hidden.dtype)
+
+
+def batched_pipeline(hidden, top_k_index, top_k_weights, num_experts, gate_up_gemm, down_gemm,
+                     activation="silu", swiglu_limit=None) -> torch.Tensor:
+    """As :func:`grouped_pipeline`, slots in their own order: ``gate_up_gemm(x, ids)``
+    and ``down_gemm(a, ids)`` are batched GEMMs over ``ids`` (T*k,) slot -> expert."""
+    k = top_k_index.shape[1]
+    ids = top_k_index.reshape(-1)
+    h = gate_up_gemm(hidden.repeat_interleave(k, dim=0), ids)
+    a = gated_activation(h, activation, swiglu_limit)
+    y = down_gemm(a, ids)
+    return combine(y, top_k_index, top_k_weights, num_experts, hidden.dtype)
+
+
 def grouped_experts(
     hidden, top_k_index, top_k_weights, gate_up_proj, gate_up_scale_inv, down_proj, down_scale_inv,
     block_size, activation="silu", gate_up_act_scale=None, down_act_scale=None, swiglu_limit=None,
 ) -> torch.Tensor:
     """Whole expert forward through :func:`grouped_mm`: sort slots by expert, gate_up,
     activation, down, routing weight, combine.  hidden (T, H) -> (T, H)."""
-    T, k = top_k_index.shape
-    E = gate_up_proj.shape[0]
-    perm, offsets = sort_by_expert(top_k_index, E)
-    x = hidden[perm // k]
-    h = grouped_mm(x, gate_up_proj, gate_up_scale_inv, offsets, block_size, gate_up_act_scale)
-    a = gated_activation(h, activation, swiglu_limit)
-    y_sorted = grouped_mm(a, down_proj, down_scale_inv, offsets, block_size, down_act_scale)
-    y = torch.empty_like(y_sorted)
-    y[perm] = y_sorted
-    return combine(y, top_k_index, top_k_weights, E, hidden.dtype)
+    return grouped_pipeline(
+        hidden, top_k_index, top_k_weights, gate_up_proj.shape[0],
+        lambda x, offsets: grouped_mm(x, gate_up_proj, gate_up_scale_inv, offsets, block_size, gate_up_act_scale),
+        lambda a, offsets: grouped_mm(a, down_proj, down_scale_inv, offsets, block_size, down_act_scale),
+        activation, swiglu_limit,
+    )
 
 
 def batched_experts(
@@ -245,11 +270,9 @@ def batched_experts(
     block_size, activation="silu", gate_up_act_scale=None, down_act_scale=None, swiglu_limit=None,
 ) -> torch.Tensor:
     """Whole expert forward through :func:`batched_mm`, slots in their own order."""
-    T, k = top_k_index.shape
-    E = gate_up_proj.shape[0]
-    ids = top_k_index.reshape(-1)
-    x = hidden.repeat_interleave(k, dim=0)
-    h = batched_mm(x, gate_up_proj, gate_up_scale_inv, ids, block_size, gate_up_act_scale)
-    a = gated_activation(h, activation, swiglu_limit)
-    y = batched_mm(a, down_proj, down_scale_inv, ids, block_size, down_act_scale)
-    return combine(y, top_k_index, top_k_weights, E, hidden.dtype)
+    return batched_pipeline(
+        hidden, top_k_index, top_k_weights, gate_up_proj.shape[0],
+        lambda x, ids: batched_mm(x, gate_up_proj, gate_up_scale_inv, ids, block_size, gate_up_act_scale),
+        lambda a, ids: batched_mm(a, down_proj, down_scale_inv, ids, block_size, down_act_scale),
+        activation, swiglu_limit,
+    )

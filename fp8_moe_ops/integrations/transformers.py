@@ -178,24 +178,17 @@ def _experts_forward(module, hidden_states, top_k_index, top_k_weights, grouped:
         op = torch.ops.fp8_moe.grouped_experts if grouped else torch.ops.fp8_moe.batched_experts
         return op(hidden_states, top_k_index, top_k_weights, gate_up, gate_up_scale, down, down_scale,
                   gate_up_block, activation, gate_up_act, down_act, limit)
-    # Two block sizes: the same computation as the experts ops (reference.grouped_experts /
-    # batched_experts), one GEMM op per projection so each reads its own grid.
-    k = top_k_index.shape[1]
+    # Two block sizes: the experts ops' pipeline with one GEMM op per projection, so
+    # each reads its own scale grid.
     E = gate_up.shape[0]
-    if grouped:
-        perm, offsets = reference.sort_by_expert(top_k_index, E)  # perm (T*k,) sorted pos -> slot
-        x = hidden_states[perm // k]
-        h = torch.ops.fp8_moe.grouped_mm(x, gate_up, gate_up_scale, offsets, gate_up_block, gate_up_act)
-        a = reference.gated_activation(h, activation, limit)
-        y_sorted = torch.ops.fp8_moe.grouped_mm(a, down, down_scale, offsets, down_block, down_act)
-        y = torch.empty_like(y_sorted).index_copy_(0, perm, y_sorted)  # back to slot order
-    else:
-        ids = top_k_index.reshape(-1)  # (T*k,) slot -> expert
-        x = hidden_states.repeat_interleave(k, dim=0)
-        h = torch.ops.fp8_moe.batched_mm(x, gate_up, gate_up_scale, ids, gate_up_block, gate_up_act)
-        a = reference.gated_activation(h, activation, limit)
-        y = torch.ops.fp8_moe.batched_mm(a, down, down_scale, ids, down_block, down_act)
-    return reference.combine(y, top_k_index, top_k_weights, E, hidden_states.dtype)
+    pipeline, gemm = ((reference.grouped_pipeline, torch.ops.fp8_moe.grouped_mm) if grouped
+                      else (reference.batched_pipeline, torch.ops.fp8_moe.batched_mm))
+    return pipeline(
+        hidden_states, top_k_index, top_k_weights, E,
+        lambda x, rows: gemm(x, gate_up, gate_up_scale, rows, gate_up_block, gate_up_act),
+        lambda a, rows: gemm(a, down, down_scale, rows, down_block, down_act),
+        activation, limit,
+    )
 
 
 def fp8_moe_grouped_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
