@@ -5,7 +5,9 @@ static activation scales), compiles each layer with the graph pass and shows wha
 the pass did, checks numerics against eager, then exports the whole model to an
 AOTInductor package, reloads it and checks it again.  Runs on the GPU (Triton
 kernels) when there is one, else on the CPU (reference kernels).  Exits non-zero
-if any check fails.
+if any check fails.  The AOTInductor package is loaded in a child process: if that
+crashes, a plain ``nn.Linear`` package is tried the same way, and when it crashes too
+the step is reported as skipped (AOTInductor is broken in that environment), not failed.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -147,20 +150,70 @@ def demo(args) -> int:
     with torch.no_grad(), tempfile.TemporaryDirectory() as tmp, passes.enabled():
         ep = torch.export.export(model, (x,), dynamic_shapes=({0: torch.export.Dim("tokens", min=1)},))
         t0 = time.perf_counter()
-        path = torch._inductor.aoti_compile_and_package(ep, package_path=os.path.join(tmp, "tiny_moe.pt2"))
-        _say(f"  packaged in {time.perf_counter() - t0:.1f} s; reloading ...")
-        loaded = torch._inductor.aoti_load_package(path)
-        for tokens in (args.tokens, max(1, args.tokens // 3)):
-            got, want = loaded(x[:tokens]), model(x[:tokens])
-            rel = _rel_err(got, want)
-            _say(f"  AOTInductor package vs eager at {tokens} tokens: relative error {rel:.2e}")
-            if not rel < 2e-2:
-                failures.append(f"AOTInductor output differs from eager at {tokens} tokens ({rel:.2e})")
+        # Inductor otherwise keeps a fused bf16 residual add in float32 where eager rounds it:
+        # over three layers (and the routers that read the result) that alone moves the
+        # output by ~1e-2 relative; with it the package matches eager bitwise on the CPU.
+        path = torch._inductor.aoti_compile_and_package(ep, package_path=os.path.join(tmp, "tiny_moe.pt2"),
+                                                        inductor_configs={"emulate_precision_casts": True})
+        _say(f"  packaged in {time.perf_counter() - t0:.1f} s; loading it in a fresh process ...")
+        cases = [(x[:t], model(x[:t])) for t in (args.tokens, max(1, args.tokens // 3))]
+        failure, skipped = _check_package(path, cases, tmp, device)
+        if failure:
+            failures.append(failure)
+        if skipped:
+            _say(f"  SKIPPED: {skipped}")
     if failures:
         _say("FAILED:\n  " + "\n  ".join(failures))
         return 1
-    _say("all checks passed")
+    _say("all checks passed" + (" (the AOTInductor step was skipped, see above)" if skipped else ""))
     return 0
+
+
+# Loads an AOTInductor package and runs it on saved inputs; prints one line per case.
+# A child process, so that a crash inside AOTInductor's loader is reported, not fatal.
+_CHILD = """
+import sys, torch, fp8_moe_ops  # importing the package registers the ops the package calls
+loaded = torch._inductor.aoti_load_package(sys.argv[1])
+for x, want in torch.load(sys.argv[2]):
+    got = loaded(x)
+    print("rel_err", x.shape[0], ((got.double() - want.double()).norm() / want.double().norm()).item(), flush=True)
+"""
+
+
+def _run_package(path: str, cases, tmp: str) -> subprocess.CompletedProcess:
+    cases_path = os.path.join(tmp, os.path.basename(path) + ".cases.pt")
+    torch.save(cases, cases_path)
+    return subprocess.run([sys.executable, "-c", _CHILD, path, cases_path], capture_output=True, text=True)
+
+
+def _check_package(path: str, cases, tmp: str, device: str) -> tuple[str | None, str | None]:
+    """Run the package against eager outputs in a child.  Returns (failure, skip reason).
+
+    If the child dies from a signal, the same is tried with a package of a plain
+    ``nn.Linear``: when that crashes too, AOTInductor itself is broken in this
+    environment (seen on CUDA with torch 2.11.0+cu130), and the step is skipped."""
+    proc = _run_package(path, cases, tmp)
+    if proc.returncode == 0:
+        results = [line.split()[1:] for line in proc.stdout.splitlines() if line.startswith("rel_err ")]
+        if len(results) != len(cases):
+            return f"the AOTInductor package ran {len(results)} of {len(cases)} cases:\n{proc.stdout[-2000:]}", None
+        for tokens, rel in results:
+            _say(f"  AOTInductor package vs eager at {tokens} tokens: relative error {float(rel):.2e}")
+            if not float(rel) < 2e-2:
+                return f"AOTInductor output differs from eager at {tokens} tokens ({float(rel):.2e})", None
+        return None, None
+    if proc.returncode > 0:
+        return f"loading/running the AOTInductor package failed:\n{proc.stderr[-2000:]}", None
+    _say(f"  the process loading the package died from signal {-proc.returncode}; "
+         "trying a package of a plain nn.Linear ...")
+    linear = torch.nn.Linear(8, 8).to(device)
+    x = torch.randn(4, 8, device=device)
+    control = torch._inductor.aoti_compile_and_package(torch.export.export(linear, (x,)),
+                                                       package_path=os.path.join(tmp, "control.pt2"))
+    if _run_package(control, [(x, linear(x).detach())], tmp).returncode < 0:
+        return None, (f"AOTInductor crashes loading any {device} package in this environment (a plain nn.Linear "
+                      f"too; torch {torch.__version__}): not a fault of fp8_moe_ops")
+    return f"the AOTInductor package crashed (signal {-proc.returncode}) where a plain nn.Linear package runs", None
 
 
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -1,0 +1,74 @@
+"""The README's main job, ``python -m fp8_moe_ops demo``, on the CPU (the GPU run is in
+test_gpu.py), and its AOTInductor step's handling of a loader that crashes."""
+
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fp8_moe_ops import __main__ as demo
+
+
+@pytest.mark.slow
+def test_demo_runs_and_passes_its_checks():
+    proc = subprocess.run([sys.executable, "-m", "fp8_moe_ops", "demo"], capture_output=True, text=True, timeout=900)
+    out = proc.stdout
+    assert proc.returncode == 0, out[-3000:] + proc.stderr[-3000:]
+    rows = [line for line in out.splitlines() if re.match(r"\s+\d+\s+\|", line)]
+    assert [r.split("|")[2].strip().split(":")[0] for r in rows] == ["rewritten", "skipped", "rewritten"]
+    assert "activation scheme is static" in rows[1]
+    # With emulate_precision_casts the package rounds where eager rounds: bitwise on CPU.
+    errs = re.findall(r"AOTInductor package vs eager at (\d+) tokens: relative error (\S+)", out)
+    assert [(t, float(e)) for t, e in errs] == [("32", 0.0), ("10", 0.0)]
+    assert out.rstrip().endswith("all checks passed")
+
+
+class _Proc:
+    def __init__(self, returncode, stdout="", stderr=""):
+        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
+
+
+def _fake_runs(monkeypatch, *returncodes):
+    calls = []
+
+    def run(path, cases, tmp):
+        calls.append(path)
+        return _Proc(returncodes[len(calls) - 1])
+
+    monkeypatch.setattr(demo, "_run_package", run)
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", lambda ep, package_path: package_path)
+    return calls
+
+
+def test_package_crash_with_a_crashing_control_is_a_skip(monkeypatch, tmp_path):
+    calls = _fake_runs(monkeypatch, -11, -11)
+    failure, skipped = demo._check_package("model.pt2", [], str(tmp_path), "cpu")
+    assert failure is None and "crashes loading any cpu package" in skipped
+    assert calls == ["model.pt2", str(tmp_path / "control.pt2")]
+
+
+def test_package_crash_with_a_working_control_is_a_failure(monkeypatch, tmp_path):
+    _fake_runs(monkeypatch, -11, 0)
+    failure, skipped = demo._check_package("model.pt2", [], str(tmp_path), "cpu")
+    assert skipped is None and "crashed (signal 11) where a plain nn.Linear package runs" in failure
+
+
+def test_package_error_is_a_failure_without_control(monkeypatch, tmp_path):
+    calls = _fake_runs(monkeypatch, 1)
+    failure, skipped = demo._check_package("model.pt2", [], str(tmp_path), "cpu")
+    assert skipped is None and failure.startswith("loading/running the AOTInductor package failed")
+    assert calls == ["model.pt2"]
+
+
+def test_package_output_mismatch_is_a_failure(monkeypatch, tmp_path):
+    monkeypatch.setattr(demo, "_run_package", lambda *a: _Proc(0, "rel_err 32 0.0\nrel_err 10 0.5\n"))
+    failure, skipped = demo._check_package("model.pt2", [None, None], str(tmp_path), "cpu")
+    assert skipped is None and failure == "AOTInductor output differs from eager at 10 tokens (5.00e-01)"
+
+
+def test_package_that_reports_fewer_cases_is_a_failure(monkeypatch, tmp_path):
+    monkeypatch.setattr(demo, "_run_package", lambda *a: _Proc(0, "rel_err 32 0.0\n"))
+    failure, skipped = demo._check_package("model.pt2", [None, None], str(tmp_path), "cpu")
+    assert skipped is None and failure.startswith("the AOTInductor package ran 1 of 2 cases")
