@@ -1,0 +1,244 @@
+"""Speed of a compiled MoE layer before and after the graph pass, on the PERF.md shapes.
+
+Run on a CUDA machine (never in CI):
+
+    PYTHONPATH=. python bench/bench_pass.py --out-dir OUT [--models qwen3_30b_a3b,deepseek_v3]
+
+The layer is the demo's (``fp8_moe_ops.__main__.MoELayer``): a float32 router, top-k
+softmax and ``FP8Experts(dispatch="eager")`` — a Python loop over all E experts — with
+random block-quantised weights.  For each model it measures, at several token counts:
+
+* ``eager``: the loop, not compiled;
+* ``off``: ``torch.compile(layer, dynamic=True)`` as a user gets it today: Dynamo
+  breaks the graph at each expert's data-dependent ``torch.where``;
+* ``off_capture``: the same with ``capture_dynamic_output_shape_ops`` on (what
+  ``passes.install()`` sets) but no pass: Inductor compiles the whole unrolled loop,
+  one ``nonzero`` and device sync per expert remain;
+* ``on``: with ``fp8_moe_ops.passes`` installed (one grouped op).
+
+Each (model, pass state) compiles in its own process, in parallel; then all wait for
+each other (up to ``--barrier-s``) and time one at a time under a file lock, so no
+compile competes with a timing for the CPU (the eager loop's time is mostly host time).  Timing: median of
+``triton.testing.do_bench`` (CUDA events around each call; the loop's device syncs are
+inside the timed region, as a user would see them).  Writes ``OUT/bench_pass.json``,
+``OUT/bench_pass.png`` (time vs tokens, log-log) and prints markdown tables;
+``--from-json FILE`` redraws both from an earlier run's JSON without a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import json
+import os
+import subprocess
+import sys
+import time
+
+MODELS = {  # name: (E, H, I, top_k), as bench_moe.py / PERF.md
+    "deepseek_v3": (256, 7168, 2048, 8),
+    "qwen3_30b_a3b": (128, 2048, 768, 8),
+}
+TOKENS = [1, 64, 512, 4096]
+
+
+@contextlib.contextmanager
+def _timing_lock(path):
+    with open(path, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _build_layer(E, H, I, k):
+    import torch
+    from torch import nn
+
+    import fp8_moe_ops
+    from fp8_moe_ops.__main__ import MoELayer
+
+    torch.manual_seed(0)  # the router and the tokens
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    experts = fp8_moe_ops.FP8Experts(E, H, I, device="cuda")  # dispatch="eager", dynamic scheme
+    for e in range(E):  # one expert at a time: no float copy of the whole weight tensor
+        for name in ("gate_up_proj", "down_proj"):
+            w = getattr(experts, name)
+            q, s = fp8_moe_ops.quantize_weight(torch.randn(w.shape[1:], device="cuda", generator=gen) * 0.02,
+                                               experts.block_size)
+            w[e].copy_(q)
+            getattr(experts, name + "_scale_inv")[e].copy_(s)
+    router = nn.Linear(H, E, bias=False, device="cuda")
+    return MoELayer(experts, router, k).eval()
+
+
+def _barrier(out_dir: str, name: str, count: int, deadline: float, wait_file: str | None) -> bool:
+    """Mark this process ready; wait until ``count`` are (and ``wait_file`` exists), or
+    the deadline.  True if the wait ended before the deadline."""
+    open(os.path.join(out_dir, f".ready_{name}"), "w").close()
+    while True:
+        done = (sum(f.startswith(".ready_") for f in os.listdir(out_dir)) >= count
+                and (wait_file is None or os.path.exists(wait_file)))
+        if done or time.time() >= deadline:
+            return done
+        time.sleep(1)
+
+
+STATES = ("off", "off_capture", "on")
+
+
+def child(model: str, state: str, tokens: list[int], out_dir: str, count: int, deadline: float,
+          wait_file: str | None) -> dict:
+    import torch
+    import torch._dynamo.config
+    import triton
+    from torch._dynamo.utils import counters
+
+    import fp8_moe_ops.passes as passes
+
+    torch._inductor.config.force_disable_caches = True  # a cache hit would skip the pass
+    E, H, I, k = MODELS[model]
+    layer = _build_layer(E, H, I, k)
+    x = torch.randn(max(tokens), H, device="cuda", dtype=torch.bfloat16)
+    res = {"model": model, "state": state, "eager_ms": {}, "compiled_ms": {}}
+    if state == "on":
+        passes.install()
+    elif state == "off_capture":
+        torch._dynamo.config.capture_dynamic_output_shape_ops = True
+    compiled = torch.compile(layer, dynamic=True)
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        out = compiled(x[: tokens[0]])
+        torch.cuda.synchronize()
+        res["compile_s"] = time.perf_counter() - t0
+        res["counters"] = dict(counters["fp8_moe"])
+        res["max_abs_err_vs_eager"] = max(
+            (compiled(x[:t]).float() - layer(x[:t]).float()).abs().max().item() for t in tokens)
+        res["ref_max_abs"] = max(layer(x[:t]).float().abs().max().item() for t in tokens)
+        res["graph_breaks"] = sum(counters["graph_break"].values())
+        res["timed_after_all_compiles"] = _barrier(out_dir, f"{model}_{state}", count, deadline, wait_file)
+        with _timing_lock(os.path.join(out_dir, ".timing.lock")):
+            for t in tokens:
+                xt = x[:t]
+                res["compiled_ms"][t] = triton.testing.do_bench(lambda: compiled(xt), warmup=25, rep=200,
+                                                                return_mode="median")
+                if state == "on":  # the eager loop is timed once, in one of the processes
+                    res["eager_ms"][t] = triton.testing.do_bench(lambda: layer(xt), warmup=5, rep=200,
+                                                                 return_mode="median")
+    return res
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out-dir", required=True)
+    p.add_argument("--models", default=",".join(MODELS))
+    p.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    p.add_argument("--timeout", type=float, default=540, help="seconds per (model, pass state) process")
+    p.add_argument("--barrier-s", type=float, default=360,
+                   help="seconds after start to wait for every process to finish compiling before timing")
+    p.add_argument("--wait-file", help="also wait (up to the barrier) for this file before timing: another job "
+                                       "sharing the GPU writes it when done")
+    p.add_argument("--from-json", help="only redraw the tables and the plot from this bench_pass.json")
+    p.add_argument("--child", nargs=4, metavar=("MODEL", "STATE", "COUNT", "DEADLINE"), help=argparse.SUPPRESS)
+    a = p.parse_args()
+    tokens = [int(t) for t in a.tokens.split(",")]
+    os.makedirs(a.out_dir, exist_ok=True)
+    if a.from_json:
+        with open(a.from_json) as f:
+            results = json.load(f)
+        plot(results, os.path.join(a.out_dir, "bench_pass.png"))
+        print(table(results))
+        return
+    if a.child:
+        res = child(a.child[0], a.child[1], tokens, a.out_dir, int(a.child[2]), float(a.child[3]), a.wait_file)
+        with open(os.path.join(a.out_dir, f"pass_{a.child[0]}_{a.child[1]}.json"), "w") as f:
+            json.dump(res, f, indent=1)
+        return
+    for f in os.listdir(a.out_dir):
+        if f.startswith(".ready_"):
+            os.remove(os.path.join(a.out_dir, f))
+    models = a.models.split(",")
+    deadline = str(time.time() + a.barrier_s)
+    extra = ["--wait-file", a.wait_file] if a.wait_file else []
+    procs = {(m, s): subprocess.Popen([sys.executable, __file__, "--out-dir", a.out_dir, "--tokens", a.tokens, *extra,
+                                       "--child", m, s, str(len(STATES) * len(models)), deadline])
+             for m in models for s in STATES}
+    results = []
+    for (m, s), proc in procs.items():
+        try:
+            rc = proc.wait(timeout=max(1.0, a.timeout - (time.monotonic() - START)))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rc = "timeout"
+        path = os.path.join(a.out_dir, f"pass_{m}_{s}.json")
+        if rc == 0 and os.path.exists(path):
+            with open(path) as f:
+                results.append(json.load(f))
+        else:
+            results.append({"model": m, "state": s, "error": f"exit {rc}"})
+    with open(os.path.join(a.out_dir, "bench_pass.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    plot(results, os.path.join(a.out_dir, "bench_pass.png"))
+    print(table(results))
+
+
+def table(results) -> str:
+    by = {(r["model"], r["state"]): r for r in results}
+    rows = ["| model | T | eager loop ms | compiled, pass off ms | pass off, loop captured ms | compiled with the pass ms "
+            "| speed-up vs pass off | vs captured |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for m in MODELS:
+        on = by.get((m, "on"), {})
+        for t, ms_on in on.get("compiled_ms", {}).items():
+            cells = [m, t, f"{on['eager_ms'][t]:.3f}"]
+            base = [by.get((m, s), {}).get("compiled_ms", {}).get(t) for s in ("off", "off_capture")]
+            cells += [f"{b:.3f}" if b else by.get((m, s), {}).get("error", "-") for b, s in zip(base, ("off", "off_capture"))]
+            cells += [f"{ms_on:.3f}"] + [f"{b / ms_on:.1f}x" if b else "-" for b in base]
+            rows.append("| " + " | ".join(map(str, cells)) + " |")
+    rows += ["", "| model | state | compile s (first call) | graph breaks | counters | max abs err vs eager "
+             "| timed after all compiles |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in results:
+        if "compile_s" in r:
+            rows.append(f"| {r['model']} | {r['state']} | {r['compile_s']:.1f} | {r['graph_breaks']} | {r['counters']} "
+                        f"| {r['max_abs_err_vs_eager']:.3g} (output max {r['ref_max_abs']:.3g}) "
+                        f"| {r['timed_after_all_compiles']} |")
+    return "\n".join(rows)
+
+
+LABELS = {"eager": "eager loop (not compiled)", "off": "torch.compile, pass off (graph breaks)",
+          "off_capture": "torch.compile, pass off, loop captured", "on": "torch.compile with the pass"}
+
+
+def plot(results, path: str) -> None:
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    by = {(r["model"], r["state"]): r for r in results}
+    fig, axes = plt.subplots(1, len(MODELS), figsize=(12, 4.5))
+    for ax, model in zip(axes, MODELS):
+        series = {"eager": by.get((model, "on"), {}).get("eager_ms", {})}
+        series.update({s: by.get((model, s), {}).get("compiled_ms", {}) for s in STATES})
+        for key, ms in series.items():
+            if ms:
+                ax.plot([int(t) for t in ms], list(ms.values()), marker="o", label=LABELS[key])
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("tokens T")
+        ax.set_ylabel("ms per layer call (median)")
+        ax.set_title(f"{model} MoE layer, H200")
+        ax.legend(fontsize=7)
+    fig.text(0.01, 0.01, "PYTHONPATH=. python bench/bench_pass.py --out-dir OUT", fontsize=7)
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+START = time.monotonic()
+if __name__ == "__main__":
+    main()
