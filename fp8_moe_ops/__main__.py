@@ -3,7 +3,8 @@
 Builds a small FP8 MoE model whose experts are eager Python loops (one layer with
 static activation scales), compiles each layer with the graph pass and shows what
 the pass did, checks numerics against eager, then exports the whole model to an
-AOTInductor package, reloads it and checks it again.  Runs on the GPU (Triton
+AOTInductor package, reloads it and checks it against ``torch.compile`` of the same
+model (and reports its distance from eager).  Runs on the GPU (Triton
 kernels) when there is one, else on the CPU (reference kernels).  Exits non-zero
 if any check fails.  The AOTInductor package is loaded in a child process: if that
 crashes, a plain ``nn.Linear`` package is tried the same way, and when it crashes too
@@ -147,16 +148,20 @@ def demo(args) -> int:
     _print_table(rows)
 
     _say("exporting the whole model to an AOTInductor package (with the pass) ...")
-    with torch.no_grad(), tempfile.TemporaryDirectory() as tmp, passes.enabled():
+    # Inductor keeps a fused bf16 residual add in float32 where eager rounds it, unless
+    # emulate_precision_casts: with it the package equals eager bitwise on the CPU (torch 2.13).
+    configs = {"emulate_precision_casts": True}
+    with torch.no_grad(), tempfile.TemporaryDirectory() as tmp, passes.enabled(), torch._inductor.config.patch(configs):
         ep = torch.export.export(model, (x,), dynamic_shapes=({0: torch.export.Dim("tokens", min=1)},))
         t0 = time.perf_counter()
-        # Inductor otherwise keeps a fused bf16 residual add in float32 where eager rounds it:
-        # over three layers (and the routers that read the result) that alone moves the
-        # output by ~1e-2 relative; with it the package matches eager bitwise on the CPU.
         path = torch._inductor.aoti_compile_and_package(ep, package_path=os.path.join(tmp, "tiny_moe.pt2"),
-                                                        inductor_configs={"emulate_precision_casts": True})
-        _say(f"  packaged in {time.perf_counter() - t0:.1f} s; loading it in a fresh process ...")
-        cases = [(x[:t], model(x[:t])) for t in (args.tokens, max(1, args.tokens // 3))]
+                                                        inductor_configs=configs)
+        _say(f"  packaged in {time.perf_counter() - t0:.1f} s; compiling the whole model with torch.compile "
+             "to compare ...")
+        torch._dynamo.reset()
+        whole = torch.compile(model, fullgraph=True, dynamic=True)
+        cases = [(x[:t], whole(x[:t]), model(x[:t])) for t in (args.tokens, max(1, args.tokens // 3))]
+        _say("  loading the package in a fresh process ...")
         failure, skipped = _check_package(path, cases, tmp, device)
         if failure:
             failures.append(failure)
@@ -169,15 +174,23 @@ def demo(args) -> int:
     return 0
 
 
-# Loads an AOTInductor package and runs it on saved inputs; prints one line per case.
-# A child process, so that a crash inside AOTInductor's loader is reported, not fatal.
+# Loads an AOTInductor package and runs it on saved (input, compiled output, eager
+# output) cases; prints one line per case.  A child process, so that a crash inside
+# AOTInductor's loader is reported, not fatal.
 _CHILD = """
 import sys, torch, fp8_moe_ops  # importing the package registers the ops the package calls
+rel = lambda a, b: ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 loaded = torch._inductor.aoti_load_package(sys.argv[1])
-for x, want in torch.load(sys.argv[2]):
+for x, compiled, eager in torch.load(sys.argv[2]):
     got = loaded(x)
-    print("rel_err", x.shape[0], ((got.double() - want.double()).norm() / want.double().norm()).item(), flush=True)
+    print("rel_err", x.shape[0], rel(got, compiled), rel(got, eager), flush=True)
 """
+# The package is Inductor's code for the whole model: it must compute what torch.compile
+# of the same model computes.  Against eager, a model of several bf16 layers moves by
+# ~1e-2: one-ulp differences (the static layer's compiled loop) flip a top-k choice in a
+# later layer's router (2.2e-2 measured on torch 2.12).  The per-layer table above
+# checks compiled vs eager on the same input; here eager is reported, not bounded.
+PACKAGE_BOUND = 1e-3
 
 
 def _run_package(path: str, cases, tmp: str) -> subprocess.CompletedProcess:
@@ -187,7 +200,8 @@ def _run_package(path: str, cases, tmp: str) -> subprocess.CompletedProcess:
 
 
 def _check_package(path: str, cases, tmp: str, device: str) -> tuple[str | None, str | None]:
-    """Run the package against eager outputs in a child.  Returns (failure, skip reason).
+    """Run the package on ``cases`` ((input, torch.compile output, eager output)) in a
+    child.  Returns (failure, skip reason).
 
     If the child dies from a signal, the same is tried with a package of a plain
     ``nn.Linear``: when that crashes too, AOTInductor itself is broken in this
@@ -197,10 +211,12 @@ def _check_package(path: str, cases, tmp: str, device: str) -> tuple[str | None,
         results = [line.split()[1:] for line in proc.stdout.splitlines() if line.startswith("rel_err ")]
         if len(results) != len(cases):
             return f"the AOTInductor package ran {len(results)} of {len(cases)} cases:\n{proc.stdout[-2000:]}", None
-        for tokens, rel in results:
-            _say(f"  AOTInductor package vs eager at {tokens} tokens: relative error {float(rel):.2e}")
-            if not float(rel) < 2e-2:
-                return f"AOTInductor output differs from eager at {tokens} tokens ({float(rel):.2e})", None
+        for tokens, vs_compiled, vs_eager in results:
+            _say(f"  AOTInductor package at {tokens} tokens: relative error vs torch.compile "
+                 f"{float(vs_compiled):.2e}, vs eager {float(vs_eager):.2e}")
+            if not float(vs_compiled) < PACKAGE_BOUND:
+                return (f"AOTInductor output differs from torch.compile at {tokens} tokens "
+                        f"({float(vs_compiled):.2e})"), None
         return None, None
     if proc.returncode > 0:
         return f"loading/running the AOTInductor package failed:\n{proc.stderr[-2000:]}", None
@@ -210,7 +226,8 @@ def _check_package(path: str, cases, tmp: str, device: str) -> tuple[str | None,
     x = torch.randn(4, 8, device=device)
     control = torch._inductor.aoti_compile_and_package(torch.export.export(linear, (x,)),
                                                        package_path=os.path.join(tmp, "control.pt2"))
-    if _run_package(control, [(x, linear(x).detach())], tmp).returncode < 0:
+    y = linear(x).detach()
+    if _run_package(control, [(x, y, y)], tmp).returncode < 0:
         return None, (f"AOTInductor crashes loading any {device} package in this environment (a plain nn.Linear "
                       f"too; torch {torch.__version__}): not a fault of fp8_moe_ops")
     return f"the AOTInductor package crashed (signal {-proc.returncode}) where a plain nn.Linear package runs", None
