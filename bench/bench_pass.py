@@ -16,9 +16,10 @@ random block-quantised weights.  For each model it measures, at several token co
   one ``nonzero`` and device sync per expert remain;
 * ``on``: with ``fp8_moe_ops.passes`` installed (one grouped op).
 
-Each (model, pass state) compiles in its own process, in parallel; then all wait for
-each other (up to ``--barrier-s``) and time one at a time under a file lock, so no
-compile competes with a timing for the CPU (the eager loop's time is mostly host time).  Timing: median of
+Each (model, pass state) compiles and checks accuracy in its own process, in parallel;
+then, once all are done (a process still compiling at ``--barrier-s`` is stopped and
+reported), they time one at a time under a file lock, so no compile competes with a
+timing for the CPU (the eager loop's time is mostly host time).  Timing: median of
 ``triton.testing.do_bench`` (CUDA events around each call; the loop's device syncs are
 inside the timed region, as a user would see them).  Writes ``OUT/bench_pass.json``,
 ``OUT/bench_pass.png`` (time vs tokens, log-log) and prints markdown tables;
@@ -74,23 +75,21 @@ def _build_layer(E, H, I, k):
     return MoELayer(experts, router, k).eval()
 
 
-def _barrier(out_dir: str, name: str, count: int, deadline: float, wait_file: str | None) -> bool:
-    """Mark this process ready; wait until ``count`` are (and ``wait_file`` exists), or
-    the deadline.  True if the wait ended before the deadline."""
+def _wait_for_go(out_dir: str, name: str) -> bool:
+    """Mark this process ready to time, wait for the parent's go; True if every process
+    had compiled (none was stopped for compiling too long)."""
     open(os.path.join(out_dir, f".ready_{name}"), "w").close()
-    while True:
-        done = (sum(f.startswith(".ready_") for f in os.listdir(out_dir)) >= count
-                and (wait_file is None or os.path.exists(wait_file)))
-        if done or time.time() >= deadline:
-            return done
-        time.sleep(1)
+    go = os.path.join(out_dir, ".go")
+    while not os.path.exists(go):
+        time.sleep(0.5)
+    with open(go) as f:
+        return f.read() == "all"
 
 
 STATES = ("off", "off_capture", "on")
 
 
-def child(model: str, state: str, tokens: list[int], out_dir: str, count: int, deadline: float,
-          wait_file: str | None) -> dict:
+def child(model: str, state: str, tokens: list[int], out_dir: str) -> dict:
     import torch
     import torch._dynamo.config
     import triton
@@ -118,7 +117,7 @@ def child(model: str, state: str, tokens: list[int], out_dir: str, count: int, d
             (compiled(x[:t]).float() - layer(x[:t]).float()).abs().max().item() for t in tokens)
         res["ref_max_abs"] = max(layer(x[:t]).float().abs().max().item() for t in tokens)
         res["graph_breaks"] = sum(counters["graph_break"].values())
-        res["timed_after_all_compiles"] = _barrier(out_dir, f"{model}_{state}", count, deadline, wait_file)
+        res["timed_after_all_compiles"] = _wait_for_go(out_dir, f"{model}_{state}")
         with _timing_lock(os.path.join(out_dir, ".timing.lock")):
             for t in tokens:
                 xt = x[:t]
@@ -130,18 +129,40 @@ def child(model: str, state: str, tokens: list[int], out_dir: str, count: int, d
     return res
 
 
+def _release_when_compiled(procs: dict, out_dir: str, barrier_s: float, wait_file: str | None) -> set:
+    """Write ``.go`` once every process is ready to time (or has exited) and
+    ``wait_file`` exists.  At ``barrier_s`` the processes still compiling are killed
+    (returned) and the rest go: no timing ever shares the machine with a compile."""
+    while True:
+        ready = {name for name in procs if os.path.exists(os.path.join(out_dir, ".ready_{}_{}".format(*name)))}
+        waiting = {name for name, proc in procs.items() if name not in ready and proc.poll() is None}
+        if not waiting and (wait_file is None or os.path.exists(wait_file)):
+            stopped = set()
+            break
+        if time.monotonic() - START >= barrier_s:
+            for name in waiting:
+                procs[name].kill()
+            stopped = waiting
+            break
+        time.sleep(1)
+    with open(os.path.join(out_dir, ".go"), "w") as f:
+        f.write("partial" if stopped else "all")
+    return stopped
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out-dir", required=True)
     p.add_argument("--models", default=",".join(MODELS))
     p.add_argument("--tokens", default=",".join(map(str, TOKENS)))
-    p.add_argument("--timeout", type=float, default=540, help="seconds per (model, pass state) process")
+    p.add_argument("--timeout", type=float, default=540, help="seconds for the whole run")
     p.add_argument("--barrier-s", type=float, default=360,
-                   help="seconds after start to wait for every process to finish compiling before timing")
+                   help="seconds for every process to compile and check accuracy; those not ready by then are "
+                        "stopped (reported), so that no compile ever runs beside a timing")
     p.add_argument("--wait-file", help="also wait (up to the barrier) for this file before timing: another job "
                                        "sharing the GPU writes it when done")
     p.add_argument("--from-json", help="only redraw the tables and the plot from this bench_pass.json")
-    p.add_argument("--child", nargs=4, metavar=("MODEL", "STATE", "COUNT", "DEADLINE"), help=argparse.SUPPRESS)
+    p.add_argument("--child", nargs=2, metavar=("MODEL", "STATE"), help=argparse.SUPPRESS)
     a = p.parse_args()
     tokens = [int(t) for t in a.tokens.split(",")]
     os.makedirs(a.out_dir, exist_ok=True)
@@ -152,19 +173,17 @@ def main():
         print(table(results))
         return
     if a.child:
-        res = child(a.child[0], a.child[1], tokens, a.out_dir, int(a.child[2]), float(a.child[3]), a.wait_file)
+        res = child(a.child[0], a.child[1], tokens, a.out_dir)
         with open(os.path.join(a.out_dir, f"pass_{a.child[0]}_{a.child[1]}.json"), "w") as f:
             json.dump(res, f, indent=1)
         return
     for f in os.listdir(a.out_dir):
-        if f.startswith(".ready_"):
+        if f.startswith(".ready_") or f == ".go":
             os.remove(os.path.join(a.out_dir, f))
-    models = a.models.split(",")
-    deadline = str(time.time() + a.barrier_s)
-    extra = ["--wait-file", a.wait_file] if a.wait_file else []
-    procs = {(m, s): subprocess.Popen([sys.executable, __file__, "--out-dir", a.out_dir, "--tokens", a.tokens, *extra,
-                                       "--child", m, s, str(len(STATES) * len(models)), deadline])
-             for m in models for s in STATES}
+    procs = {(m, s): subprocess.Popen([sys.executable, __file__, "--out-dir", a.out_dir, "--tokens", a.tokens,
+                                       "--child", m, s])
+             for m in a.models.split(",") for s in STATES}
+    stopped = _release_when_compiled(procs, a.out_dir, a.barrier_s, a.wait_file)
     results = []
     for (m, s), proc in procs.items():
         try:
@@ -172,12 +191,14 @@ def main():
         except subprocess.TimeoutExpired:
             proc.kill()
             rc = "timeout"
+        if (m, s) in stopped:
+            rc = f"stopped: not compiled within {a.barrier_s:.0f} s"
         path = os.path.join(a.out_dir, f"pass_{m}_{s}.json")
         if rc == 0 and os.path.exists(path):
             with open(path) as f:
                 results.append(json.load(f))
         else:
-            results.append({"model": m, "state": s, "error": f"exit {rc}"})
+            results.append({"model": m, "state": s, "error": rc if isinstance(rc, str) else f"exit {rc}"})
     with open(os.path.join(a.out_dir, "bench_pass.json"), "w") as f:
         json.dump(results, f, indent=1)
     plot(results, os.path.join(a.out_dir, "bench_pass.png"))
