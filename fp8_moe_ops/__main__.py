@@ -178,12 +178,12 @@ def demo(args) -> int:
 # output) cases; prints one line per case.  A child process, so that a crash inside
 # AOTInductor's loader is reported, not fatal.
 _CHILD = """
-import sys, torch, fp8_moe_ops  # importing the package registers the ops the package calls
-rel = lambda a, b: ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+import sys, torch
+from fp8_moe_ops.__main__ import _rel_err  # importing the package registers the ops the package calls
 loaded = torch._inductor.aoti_load_package(sys.argv[1])
 for x, compiled, eager in torch.load(sys.argv[2]):
     got = loaded(x)
-    print("rel_err", x.shape[0], rel(got, compiled), rel(got, eager), flush=True)
+    print("rel_err", x.shape[0], _rel_err(got, compiled), _rel_err(got, eager), flush=True)
 """
 # The package is Inductor's code for the whole model: it must compute what torch.compile
 # of the same model computes.  Against eager, a model of several bf16 layers moves by
@@ -222,15 +222,21 @@ def _check_package(path: str, cases, tmp: str, device: str) -> tuple[str | None,
         return f"loading/running the AOTInductor package failed:\n{proc.stderr[-2000:]}", None
     _say(f"  the process loading the package died from signal {-proc.returncode}; "
          "trying a package of a plain nn.Linear ...")
+    if _plain_package_crashes(device, tmp):
+        return None, (f"AOTInductor crashes loading any {device} package in this environment (a plain nn.Linear "
+                      f"too; torch {torch.__version__}): not a fault of fp8_moe_ops")
+    return f"the AOTInductor package crashed (signal {-proc.returncode}) where a plain nn.Linear package runs", None
+
+
+def _plain_package_crashes(device: str, tmp: str) -> bool:
+    """Whether loading a package of a plain ``nn.Linear`` on ``device`` kills a child
+    process: the control that tells a broken AOTInductor from a fault of ours."""
     linear = torch.nn.Linear(8, 8).to(device)
     x = torch.randn(4, 8, device=device)
     control = torch._inductor.aoti_compile_and_package(torch.export.export(linear, (x,)),
                                                        package_path=os.path.join(tmp, "control.pt2"))
     y = linear(x).detach()
-    if _run_package(control, [(x, y, y)], tmp).returncode < 0:
-        return None, (f"AOTInductor crashes loading any {device} package in this environment (a plain nn.Linear "
-                      f"too; torch {torch.__version__}): not a fault of fp8_moe_ops")
-    return f"the AOTInductor package crashed (signal {-proc.returncode}) where a plain nn.Linear package runs", None
+    return _run_package(control, [(x, y, y)], tmp).returncode < 0
 
 
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fp8_moe_ops
+from fp8_moe_ops.__main__ import _plain_package_crashes
 
 from helpers import make_experts_inputs, rel_err
 
@@ -52,28 +53,16 @@ def test_compile_modes_match_eager(mode, static):
         assert torch.equal(compiled(hidden, idx, w), eager)
 
 
-_AOTI_CONTROL = """
-import sys, torch
-linear = torch.nn.Linear(8, 8).cuda()
-x = torch.randn(4, 8, device="cuda")
-path = torch._inductor.aoti_compile_and_package(torch.export.export(linear, (x,)), package_path=sys.argv[1] + "/c.pt2")
-torch._inductor.aoti_load_package(path)(x)
-"""
-
-
-def _run_subprocess(code: str, *argv: str):
-    # AOTInductor has crashed the process on CUDA: run in a child so a crash is a test
-    # result, not a dead test run.  When the child dies from a signal and a package of a
-    # plain nn.Linear crashes the same way, AOTInductor itself is broken in this
-    # environment (torch 2.11.0+cu130 on the H200 machine, docs/export.md): skip.
+def _run_subprocess(code: str, tmp: str):
+    # AOTInductor has crashed the process on CUDA: run in a child (which gets ``tmp`` as
+    # argv[1]) so a crash is a test result, not a dead test run.  When the child dies
+    # from a signal and a package of a plain nn.Linear crashes the same way, AOTInductor
+    # itself is broken in this environment (torch 2.11.0+cu130 on the H200 machine,
+    # docs/export.md): skip.
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]))
-
-    def run(c, *a):
-        return subprocess.run([sys.executable, "-c", textwrap.dedent(c), *a], capture_output=True, text=True, env=env,
-                              timeout=600)
-
-    proc = run(code, *argv)
-    if proc.returncode < 0 and run(_AOTI_CONTROL, *argv).returncode < 0:
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code), tmp], capture_output=True, text=True, env=env,
+                          timeout=600)
+    if proc.returncode < 0 and _plain_package_crashes("cuda", tmp):
         pytest.skip(f"AOTInductor crashes (signal {-proc.returncode}) loading a plain nn.Linear CUDA package too")
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
 
