@@ -190,7 +190,7 @@ class TestForms(TestCase):
     def test_form1_stacked_weights_where(self):
         m, args = experts(), inputs(6)
         with fresh_counters():
-            out, code, graph, asserts = _compile_and_code(m, *args)
+            out, code, graph, _ = _compile_and_code(m, *args)
         self.assertEqual(fp8_counters(), {"loops_rewritten": 1})
         self._check_rewritten_code(code)
         self.assertExpectedInline(graph, """\
@@ -248,7 +248,7 @@ graph():
     def test_form4_generated_code_gelu_tanh(self):
         m, args = experts("gelu_tanh", 0.25), inputs(6, seed=4)
         with fresh_counters():
-            out, code, graph, asserts = _compile_and_code(m, *args)
+            out, code, graph, _ = _compile_and_code(m, *args)
         self._check_rewritten_code(code)
         self.assertIn("[16, 16], gelu_tanh, None, None, 0.25)", graph)
         self.assertTrue(torch.equal(out, m(*args)))
