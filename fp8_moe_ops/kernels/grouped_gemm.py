@@ -5,7 +5,11 @@ expert, with per-K-step scales: one activation scale per row and ``bk`` group
 (dynamic) or per expert (static), one weight scale per (``bn``, ``bk``) block (or per
 matrix).  ``BLOCK_K`` divides ``bk``, so each K step multiplies one fp8 ``tl.dot``
 (fresh float32 accumulator, so the fp8 MMA's partial sums are promoted to float32
-every step) by ``a_scale[:, None] * w_scale[None, :]``.
+every step) by ``a_scale[:, None] * w_scale[None, :]``.  When ``BN`` divides ``bn``
+(or the weight has one scale per matrix) the tile's columns share one weight scale
+per K step (``W_SCALE_PER_TILE``): the rescale is then one multiply-add per
+accumulator element, ``acc += dot * (a_scale * w_scale)[:, None]``, instead of an
+outer product plus a multiply-add, which matters where the tensor cores wait on it.
 
 No host sync and a grid independent of the routing: every program reads the (E,)
 ``offsets`` and finds its own (expert, row tile) with a cumsum of tiles per expert.
@@ -26,7 +30,8 @@ from .quant import round_to
 @triton.jit
 def load_weight_scale(ws_ptr, idx, mask, SCALE_E8M0: tl.constexpr):
     """Weight scales as float32; UE8M0 bytes (2^(u-127); 0 -> 2^-127, 255 -> NaN)
-    are expanded in-kernel so the scale grid is never converted on the host."""
+    are expanded in-kernel so the scale grid is never converted on the host.
+    ``mask`` may be a scalar ``True`` (one in-bounds scale)."""
     if SCALE_E8M0:
         u = tl.load(ws_ptr + idx, mask=mask, other=127).to(tl.int32)
         bits = tl.where(u == 0, 0x400000, tl.where(u == 255, 0x7FC00000, u << 23))
@@ -48,7 +53,7 @@ def _grouped_gemm_kernel(
     K: tl.constexpr,  # constexpr: static trip count (and the interpreter cannot loop to a runtime int)
     TOPK: tl.constexpr, BN_SCALE: tl.constexpr, BK_SCALE: tl.constexpr,
     GATHER_A: tl.constexpr, SCATTER_OUT: tl.constexpr, STATIC: tl.constexpr,
-    SCALE_E8M0: tl.constexpr, HAS_OFFSETS: tl.constexpr,
+    SCALE_E8M0: tl.constexpr, HAS_OFFSETS: tl.constexpr, W_SCALE_PER_TILE: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EP: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -111,7 +116,10 @@ def _grouped_gemm_kernel(
     offs_k = tl.arange(0, BK)
     a_ptrs = a_ptr + arow[:, None] * stride_am + offs_k[None, :]
     w_ptrs = w_ptr + e64 * N * K + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :]
-    ws_row = ws_ptr + e64 * stride_wse + (offs_n // BN_SCALE) * stride_wsn
+    if W_SCALE_PER_TILE:
+        ws_row = ws_ptr + e64 * stride_wse + (pid_n * BN // BN_SCALE) * stride_wsn
+    else:
+        ws_row = ws_ptr + e64 * stride_wse + (offs_n // BN_SCALE) * stride_wsn
     if STATIC:
         a_s = tl.load(a_scale_ptr + e)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
@@ -120,12 +128,20 @@ def _grouped_gemm_kernel(
         a = tl.load(a_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=nmask[:, None] & kmask[None, :], other=0.0)
         kg = k0 // BK_SCALE
-        w_s = load_weight_scale(ws_row, kg * stride_wsk, nmask, SCALE_E8M0)
-        if STATIC:
-            scale = a_s * w_s[None, :]
+        if W_SCALE_PER_TILE:
+            w_s = load_weight_scale(ws_row, kg * stride_wsk, True, SCALE_E8M0)  # scalar
+            if STATIC:
+                scale = a_s * w_s
+            else:
+                a_sv = tl.load(a_scale_ptr + arow * stride_asm + kg, mask=rmask, other=0.0)
+                scale = (a_sv * w_s)[:, None]
         else:
-            a_sv = tl.load(a_scale_ptr + arow * stride_asm + kg, mask=rmask, other=0.0)
-            scale = a_sv[:, None] * w_s[None, :]
+            w_s = load_weight_scale(ws_row, kg * stride_wsk, nmask, SCALE_E8M0)
+            if STATIC:
+                scale = a_s * w_s[None, :]
+            else:
+                a_sv = tl.load(a_scale_ptr + arow * stride_asm + kg, mask=rmask, other=0.0)
+                scale = a_sv[:, None] * w_s[None, :]
         acc += tl.dot(a, tl.trans(w)) * scale
         a_ptrs += BK
         w_ptrs += BK

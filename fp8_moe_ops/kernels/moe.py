@@ -123,6 +123,7 @@ def _gemm(q, q_scale, w, w_scale, block, out, *, offsets=None, perm=None, gather
         K=K, TOPK=topk, BN_SCALE=bn, BK_SCALE=bk,
         GATHER_A=gather_a, SCATTER_OUT=scatter_out, STATIC=static,
         SCALE_E8M0=e8m0, HAS_OFFSETS=offsets is not None,
+        W_SCALE_PER_TILE=bn % BN == 0 or w_scale.shape[1] == 1,
         BM=BM, BN=BN, BK=block_k(bk), EP=_ep(E), GROUP_M=cfg["GROUP_M"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
