@@ -348,11 +348,24 @@ def test_sort_slots_layout():
     assert offsets.tolist() == [2, 2, 4]
 
 
-@pytest.mark.parametrize("S,E", [(1, 3), (8, 256), (300, 7), (2048, 5), (2049, 4)])  # 2049: torch path
-def test_sort_kernel_matches_torch_sort(S, E):
+@pytest.mark.parametrize("S,E,kind", [
+    (1, 3, "random"),
+    (8, 256, "random"),
+    (128, 127, "random"),   # one full block; E + 1 = 128 bins exactly
+    (129, 5, "one"),        # a second block of one slot; every slot on one expert
+    (300, 7, "random"),
+    (200, 9, "sentinel"),   # no slot on any expert
+    (2048, 5, "random"),
+    (2049, 4, "random"),    # torch path
+])
+def test_sort_kernel_matches_torch_sort(S, E, kind):
     # the one-launch sort (S <= 2048) must give the torch path's permutation and offsets
     gen = torch.Generator().manual_seed(S)
     ids = torch.randint(-2, E + 2, (S,), generator=gen)  # incl. sentinels on both sides
+    if kind == "one":
+        ids.fill_(E // 2)
+    elif kind == "sentinel":
+        ids = torch.where(ids < E // 2, -1, E)
     perm, offsets = moe._sort_slots(ids, E)
     rperm, roffsets = routing.sort_slots(ids, E)
     assert torch.equal(perm.long(), rperm) and torch.equal(offsets, roffsets)

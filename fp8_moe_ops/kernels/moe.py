@@ -65,8 +65,8 @@ def _sort_slots(expert_ids: torch.Tensor, E: int) -> tuple[torch.Tensor, torch.T
     ids = expert_ids.reshape(-1)
     perm = torch.empty(S, dtype=torch.int32, device=ids.device)
     offsets = torch.empty(E, dtype=torch.int32, device=ids.device)
-    grid, block, ep, nb = sort_launch_shape(S, E)
-    _sort_kernel[grid](ids, perm, offsets, S, E, BLOCK=block, EP=ep, NUM_BLOCKS=nb)
+    grid, block, bins, nb = sort_launch_shape(S, E)
+    _sort_kernel[grid](ids, perm, offsets, S, E, BLOCK=block, NB=bins, NUM_BLOCKS=nb)
     return perm, offsets
 
 
