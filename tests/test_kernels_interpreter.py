@@ -34,9 +34,17 @@ from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 INTERPRETED = isinstance(tl.cdiv, InterpretedFunction)
 if INTERPRETED:
+    import triton
+
     from fp8_moe_ops import kernels, reference, routing
     from fp8_moe_ops.kernels import moe
     from fp8_moe_ops.kernels.grouped_gemm import _grouped_gemm_kernel
+    from fp8_moe_ops.kernels.quant import expert_of_rows
+
+    @triton.jit
+    def _expert_of_rows_kernel(offsets_ptr, out_ptr, R, E, SEARCH_STEPS: tl.constexpr, BLOCK: tl.constexpr):
+        rows = tl.arange(0, BLOCK)
+        tl.store(out_ptr + rows, expert_of_rows(rows, offsets_ptr, E, SEARCH_STEPS), mask=rows < R)
 else:
     from fp8_moe_ops import reference
 
@@ -369,6 +377,20 @@ def test_sort_kernel_matches_torch_sort(S, E, kind):
     perm, offsets = moe._sort_slots(ids, E)
     rperm, roffsets = routing.sort_slots(ids, E)
     assert torch.equal(perm.long(), rperm) and torch.equal(offsets, roffsets)
+
+
+@pytest.mark.parametrize("E", [1, 5, 8, 255, 256])  # E = 2^n needs n + 1 search steps
+def test_expert_of_rows_is_searchsorted(E):
+    # the binary search of the quant / activation kernels == torch.searchsorted(right=True)
+    gen = torch.Generator().manual_seed(E)
+    counts = torch.randint(0, 3, (E,), generator=gen)
+    counts[0] = 0  # the first expert empty: row 0 belongs to a later one
+    offsets = counts.cumsum(0).to(torch.int32)
+    R = int(offsets[-1]) + 5  # rows past offsets[-1]: expert E
+    out = torch.empty(R, dtype=torch.int32)
+    _expert_of_rows_kernel[(1,)](offsets, out, R, E, SEARCH_STEPS=E.bit_length(),
+                                 BLOCK=triton.next_power_of_2(R))
+    assert torch.equal(out, torch.searchsorted(offsets, torch.arange(R, dtype=torch.int32), right=True).int())
 
 
 def test_strided_act_scale_and_offsets():

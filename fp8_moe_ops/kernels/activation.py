@@ -11,7 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .quant import expert_of_rows, quantize_dynamic, quantize_static, round_to
+from .quant import expert_of_rows, quantize_and_store, round_to
 
 ACT_IDS = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3}
 
@@ -36,7 +36,7 @@ def _gated_act_quant_kernel(
     offsets_ptr, act_scale_ptr,
     S, I, E, limit,
     ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, STATIC: tl.constexpr,
-    GROUP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, EP: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, SEARCH_STEPS: tl.constexpr,
 ):
     pid_r = tl.program_id(0)
     g = tl.program_id(1)
@@ -45,7 +45,7 @@ def _gated_act_quant_kernel(
     cols = g * GROUP + cg
     cmask = (cg < GROUP) & (cols < I)
     # rows past offsets[-1] are sentinel slots: nothing downstream reads them
-    expert = expert_of_rows(rows, offsets_ptr, E, EP)
+    expert = expert_of_rows(rows, offsets_ptr, E, SEARCH_STEPS)
     rmask = (rows < S) & (expert < E)
     mask = rmask[:, None] & cmask[None, :]
     base = h_ptr + rows.to(tl.int64)[:, None] * stride_hm + cols[None, :]
@@ -56,10 +56,5 @@ def _gated_act_quant_kernel(
         up = tl.clamp(up, -limit, limit)
     a = round_to(_apply_activation(gate, ACT) * up, h_ptr.dtype.element_ty).to(tl.float32)
     a = tl.where(mask, a, 0.0)
-    if STATIC:
-        scale = tl.load(act_scale_ptr + expert, mask=rmask, other=1.0)
-        q = quantize_static(a, scale[:, None])
-    else:
-        q, s = quantize_dynamic(a)
-        tl.store(s_ptr + rows.to(tl.int64) * tl.cdiv(I, GROUP) + g, s, mask=rmask)
-    tl.store(q_ptr + rows.to(tl.int64)[:, None] * I + cols[None, :], q, mask=mask)
+    quantize_and_store(a, rows, rmask, mask, cols, g, expert, q_ptr, s_ptr, act_scale_ptr, I,
+                       GROUP=GROUP, STATIC=STATIC)

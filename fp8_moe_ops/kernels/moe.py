@@ -86,7 +86,7 @@ def _quantize(x: torch.Tensor, bk: int, rows: int, *, perm=None, offsets=None, a
         x, x.stride(0), x.stride(1), q, s,
         perm if perm is not None else q, offsets if offsets is not None else q, s,
         rows, K, E,
-        TOPK=topk, GROUP=bk, BLOCK_R=block_r, BLOCK_G=block_g, EP=_ep(E),
+        TOPK=topk, GROUP=bk, BLOCK_R=block_r, BLOCK_G=block_g, SEARCH_STEPS=E.bit_length(),
         STATIC=static, GATHER=perm is not None,
     )
     return q, s
@@ -219,7 +219,7 @@ def grouped_experts(hidden, top_k_index, top_k_weights, gate_up_proj, gate_up_sc
         h, h.stride(0), a_q, a_s, offsets, a_s, S, I, E,
         float(swiglu_limit) if swiglu_limit is not None else 0.0,
         ACT=ACT_IDS[activation], HAS_LIMIT=swiglu_limit is not None, STATIC=static_down,
-        GROUP=bk, BLOCK_R=block_r, BLOCK_G=block_g, EP=_ep(E), enable_fp_fusion=False,
+        GROUP=bk, BLOCK_R=block_r, BLOCK_G=block_g, SEARCH_STEPS=E.bit_length(), enable_fp_fusion=False,
     )
 
     # down: y (S, H) back in slot order; sentinel slots' rows are left unwritten

@@ -77,13 +77,37 @@ def quantize_dynamic(x):
 
 
 @triton.jit
-def expert_of_rows(rows, offsets_ptr, E, EP: tl.constexpr):
+def quantize_and_store(x, rows, rmask, mask, cols, g, expert, q_ptr, s_ptr, act_scale_ptr, K,
+                       GROUP: tl.constexpr, STATIC: tl.constexpr):
+    """Quantise the float32 block ``x`` (BLOCK_R, BLOCK_G) = K group ``g`` of ``rows``
+    (``mask``: its valid elements, 0 elsewhere) into q (R, K) and, dynamic, its scales
+    into s (R, ceil(K/GROUP)); static divides by the scale of each row's ``expert``."""
+    if STATIC:
+        scale = tl.load(act_scale_ptr + expert, mask=rmask, other=1.0)
+        q = quantize_static(x, scale[:, None])
+    else:
+        q, s = quantize_dynamic(x)
+        tl.store(s_ptr + rows.to(tl.int64) * tl.cdiv(K, GROUP) + g, s, mask=rmask)
+    tl.store(q_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], q, mask=mask)
+
+
+@triton.jit
+def expert_of_rows(rows, offsets_ptr, E, SEARCH_STEPS: tl.constexpr):
     """Expert id of each sorted row: the number of inclusive offsets <= row (E when the
-    row is past ``offsets[-1]``, i.e. belongs to no expert)."""
-    eo = tl.arange(0, EP)
-    ends = tl.load(offsets_ptr + eo, mask=eo < E, other=0)
-    hit = (ends[None, :] <= rows[:, None]) & (eo < E)[None, :]
-    return tl.sum(hit.to(tl.int32), axis=1)
+    row is past ``offsets[-1]``, i.e. belongs to no expert).  A binary search over the
+    non-decreasing offsets, ``SEARCH_STEPS = E.bit_length()`` steps (enough for E + 1
+    answers): a few cached loads per row instead of an (rows, E) compare matrix.  A
+    loop, not ``tl.static_range``: unrolled, Triton 3.6's layout pass fails on sm_90
+    ("mask type matches ptr type") when the result masks a later load."""
+    lo = tl.zeros_like(rows)
+    hi = lo + E
+    for _ in range(SEARCH_STEPS):
+        active = lo < hi
+        mid = (lo + hi) // 2
+        le = tl.load(offsets_ptr + mid, mask=active, other=0) <= rows
+        lo = tl.where(active & le, mid + 1, lo)
+        hi = tl.where(active & ~le, mid, hi)
+    return lo
 
 
 @triton.jit
@@ -93,7 +117,7 @@ def _quant_kernel(
     perm_ptr, offsets_ptr, act_scale_ptr,
     R, K, E,
     TOPK: tl.constexpr, GROUP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr,
-    EP: tl.constexpr, STATIC: tl.constexpr, GATHER: tl.constexpr,
+    SEARCH_STEPS: tl.constexpr, STATIC: tl.constexpr, GATHER: tl.constexpr,
 ):
     # program (row block, K group); dynamic quantises x's rows in place order, static
     # quantises the expert-sorted rows (source row perm[i] // TOPK when GATHER) with
@@ -105,25 +129,17 @@ def _quant_kernel(
     cols = g * GROUP + cg
     cmask = (cg < GROUP) & (cols < K)
     rmask = rows < R
+    src = rows
+    expert = None  # dynamic scales do not depend on the expert
     if STATIC:
-        expert = expert_of_rows(rows, offsets_ptr, E, EP)
+        expert = expert_of_rows(rows, offsets_ptr, E, SEARCH_STEPS)
         rmask = rmask & (expert < E)
         if GATHER:
             src = tl.load(perm_ptr + rows, mask=rmask, other=0) // TOPK
-        else:
-            src = rows
-    else:
-        src = rows
     mask = rmask[:, None] & cmask[None, :]
     x = tl.load(x_ptr + src.to(tl.int64)[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask, other=0.0)
-    x = x.to(tl.float32)
-    if STATIC:
-        scale = tl.load(act_scale_ptr + expert, mask=rmask, other=1.0)
-        q = quantize_static(x, scale[:, None])
-    else:
-        q, s = quantize_dynamic(x)
-        tl.store(s_ptr + rows.to(tl.int64) * tl.cdiv(K, GROUP) + g, s, mask=rmask)
-    tl.store(q_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], q, mask=mask)
+    quantize_and_store(x.to(tl.float32), rows, rmask, mask, cols, g, expert, q_ptr, s_ptr, act_scale_ptr, K,
+                       GROUP=GROUP, STATIC=STATIC)
 
 
 def quant_launch_shape(rows: int, K: int, group: int) -> tuple[tuple[int, int], int, int]:
