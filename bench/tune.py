@@ -1,11 +1,13 @@
 """Sweep of grouped-GEMM launch configs on whole MoE layers (CUDA graph replay times).
 
-    PYTHONPATH=. python bench/tune.py --out OUT/tune.json
+    PYTHONPATH=. python bench/tune.py --out OUT/tune.json [--models deepseek_v3:4096,16384;qwen3_30b_a3b:1]
+        [--candidates 128,128,8,4;64,128,4,4]
 
 For each (model, T) of the sweep, every candidate config is forced on both GEMMs of
 ``fp8_moe::grouped_experts`` (dynamic scheme, uniform routing) and the layer is timed
 as the median replay of a CUDA graph, so the numbers are GPU time, not launch
-overhead.  The winners per bucket of rows per expert go into
+overhead; ``default_ms`` is the shipped table (which may give the two GEMMs different
+tiles, e.g. a narrower ``BN`` at decode).  The winners per bucket of rows per expert go into
 ``fp8_moe_ops/kernels/configs/h200.json`` by hand (see docs/benchmarks.md).
 """
 
@@ -25,21 +27,31 @@ sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from bench_moe import BLOCK, DEV, MODELS, OPS, bench_graph, make_routing, make_weights  # noqa: E402
 
 CANDIDATES = [  # BM, BN, num_warps, num_stages
-    (16, 128, 4, 4), (16, 64, 4, 4), (32, 128, 4, 4), (64, 64, 4, 4), (64, 128, 4, 4), (64, 128, 4, 5),
+    (16, 128, 4, 4), (16, 64, 4, 4), (16, 32, 4, 4), (32, 128, 4, 4), (64, 64, 4, 4), (64, 128, 4, 4), (64, 128, 4, 5),
     (64, 256, 8, 3), (128, 128, 8, 3), (128, 128, 8, 4), (128, 128, 4, 4), (128, 256, 8, 3),
 ]
-SWEEP = {"deepseek_v3": [64, 512, 1024, 4096, 16384], "qwen3_30b_a3b": [64, 512, 1024, 4096, 16384],
-         "mixtral_8x7b": [8, 64, 512, 4096, 16384]}
+SWEEP = {"deepseek_v3": [1, 8, 64, 512, 1024, 4096, 8192, 16384],
+         "qwen3_30b_a3b": [1, 8, 64, 512, 1024, 4096, 8192, 16384],
+         "mixtral_8x7b": [1, 8, 64, 512, 4096, 16384]}
+
+
+def _parse_sweep(text: str) -> dict[str, list[int]]:
+    return {m: [int(t) for t in ts.split(",")] for m, ts in (part.split(":") for part in text.split(";"))}
 
 
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
+    p.add_argument("--models", default=None, help="model:T,T;model:T (default: the whole SWEEP)")
+    p.add_argument("--candidates", default=None, help="BM,BN,warps,stages;... (default: CANDIDATES)")
     args = p.parse_args()
+    sweep = _parse_sweep(args.models) if args.models else SWEEP
+    candidates = ([tuple(int(v) for v in c.split(",")) for c in args.candidates.split(";")]
+                  if args.candidates else CANDIDATES)
     gen = torch.Generator(device=DEV).manual_seed(1)
     results = []
     default = moe.gemm_config
-    for model, tokens in SWEEP.items():
+    for model, tokens in sweep.items():
         E, H, I, k = MODELS[model]
         gu, gus = make_weights(E, 2 * I, H, gen)
         dp, dps = make_weights(E, H, I, gen)
@@ -47,7 +59,7 @@ def main() -> int:
             x = torch.randn(T, H, device=DEV, generator=gen, dtype=torch.bfloat16)
             idx, wts = make_routing(T, E, k, "uniform", gen)
             row = {"model": model, "T": T, "rows_per_expert": T * k / min(E, T * k), "times": {}}
-            for bm, bn, nw, ns in CANDIDATES:
+            for bm, bn, nw, ns in candidates:
                 moe.gemm_config = lambda S, E_, N, K: {"BM": bm, "BN": bn, "GROUP_M": 8, "num_warps": nw,
                                                        "num_stages": ns}
                 try:

@@ -2,7 +2,10 @@
 
 ``configs/<device>.json`` holds, per bucket of mean rows per active expert, the tile
 sizes, warps and pipeline stages; entries under ``"shapes"`` (key ``"N,K"``) override
-the default list for one weight shape.  The table was written from the sweep of
+the default list for one weight shape.  An entry's optional ``min_programs`` halves
+``BN`` (not below 32) while fewer (expert, N tile) programs than that would run: at
+decode a layer's few active experts otherwise stream their weights through a fraction
+of the SMs.  The table was written from the sweep of
 ``bench/tune.py`` on an H200 (winners per bucket, by hand: see docs/benchmarks.md);
 other GPUs use the same table.
 """
@@ -38,8 +41,13 @@ def gemm_config(S: int, E: int, N: int, K: int) -> dict:
         if entry["max_rows"] is None or rows <= entry["max_rows"]:
             cfg = dict(entry)
             break
+    del cfg["max_rows"]
+    min_programs = cfg.pop("min_programs", None)
     # tiny problems (tests, T=1): no tile wider than the problem
     cfg["BM"] = max(16, min(cfg["BM"], triton.next_power_of_2(max(S, 1))))
     cfg["BN"] = max(16, min(cfg["BN"], triton.next_power_of_2(N)))
-    del cfg["max_rows"]
+    if min_programs is not None:
+        groups = max(1, min(E, S))  # at most this many experts have rows
+        while cfg["BN"] > 32 and groups * triton.cdiv(N, cfg["BN"]) < min_programs:
+            cfg["BN"] //= 2
     return cfg
