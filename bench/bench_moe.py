@@ -44,7 +44,7 @@ MODELS = {  # name: (E, H, I, top_k)
     "qwen3_30b_a3b": (128, 2048, 768, 8),
     "mixtral_8x7b": (8, 4096, 14336, 2),
 }
-TOKENS = [1, 8, 64, 512, 1024, 4096, 16384]
+TOKENS = [1, 8, 64, 512, 1024, 4096, 8192, 16384]
 BLOCK = [128, 128]
 DEV = "cuda"
 OPS = torch.ops.fp8_moe
@@ -145,11 +145,21 @@ def bench_graph(fn):
 
 
 def try_time(name, fn, graph=False, rep_ms=200):
-    try:
-        return {"ms": bench(fn, rep_ms), **({"graph_ms": bench_graph(fn)} if graph else {})}
-    except Exception as e:  # a baseline that does not run here is reported, not fatal
-        log(f"  {name}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
-        return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+    """{"ms", "graph_ms"}; a baseline that does not run (or cannot be captured in a
+    CUDA graph) here is reported, not fatal."""
+    res = {}
+    for key, timer in (("ms", lambda: bench(fn, rep_ms)), ("graph_ms", lambda: bench_graph(fn))):
+        if key == "graph_ms" and not graph:
+            break
+        try:
+            res[key] = timer()
+        except Exception as e:
+            log(f"  {name} ({key}): {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+            res[f"{key}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+            torch.cuda.synchronize()
+    if "ms" not in res:
+        res["error"] = res.pop("ms_error")
+    return res
 
 
 def run_model(name, tokens, gen, results, eager_max_t, skip_baselines=False):
@@ -322,6 +332,8 @@ def main() -> int:
     p.add_argument("--grouped-op", action="store_true", help="also time the grouped GEMM alone")
     p.add_argument("--baselines-from", default=None,
                    help="skip the baselines; copy them from this earlier bench_moe.json (same script and machine kind)")
+    p.add_argument("--eager-from", default=None,
+                   help="copy the eager-loop times (not re-run past --eager-max-t) from this earlier bench_moe.json")
     args = p.parse_args()
     os.makedirs(args.out_dir, exist_ok=True)
     cmd = "PYTHONPATH=. python bench/bench_moe.py " + " ".join(sys.argv[1:])
@@ -334,7 +346,9 @@ def main() -> int:
             run_model(model, [int(t) for t in args.tokens.split(",")], gen, results, args.eager_max_t,
                       skip_baselines=args.baselines_from is not None)
             if args.baselines_from:
-                copy_baselines(results, args.baselines_from)
+                copy_baselines(results, args.baselines_from, ("bf16", "fp8_rowwise", "eager"))
+            if args.eager_from:
+                copy_baselines(results, args.eager_from, ("eager",))
         except Exception:
             traceback.print_exc()
         save(results, meta, args.out_dir, cmd)  # after each model: a timeout keeps what was measured
@@ -347,12 +361,12 @@ def main() -> int:
     return 0
 
 
-def copy_baselines(results, path):
+def copy_baselines(results, path, keys):
     with open(path) as f:
         old = {(r["model"], r["T"], r.get("routing")): r for r in json.load(f)["results"]}
     for r in results:
         prev = old.get((r["model"], r["T"], r.get("routing")), {})
-        for key in ("bf16", "fp8_rowwise", "eager"):
+        for key in keys:
             if key in prev and key not in r:
                 r[key] = dict(prev[key], copied_from=path)
 
