@@ -67,6 +67,24 @@ def make_weights(E, N, K, gen):
     return w, s
 
 
+def layer_weights(model, gen):
+    """(gate_up, its scales, down, its scales) of a PERF.md model: (E, 2I, H), (E, H, I)."""
+    E, H, I, _ = MODELS[model]
+    return (*make_weights(E, 2 * I, H, gen), *make_weights(E, H, I, gen))
+
+
+def layer_inputs(model, T, gen, kind="uniform"):
+    """(hidden (T, H) bf16, top_k_index, top_k_weights) for T tokens of a PERF.md model."""
+    E, H, _, k = MODELS[model]
+    x = torch.randn(T, H, device=DEV, generator=gen, dtype=torch.bfloat16)
+    return (x, *make_routing(T, E, k, kind, gen))
+
+
+def parse_sweep(text: str) -> dict[str, list[int]]:
+    """``"model:T,T;model:T"`` -> {model: [T, ...]} (the scripts' --models / --cases)."""
+    return {m: [int(t) for t in ts.split(",")] for m, ts in (part.split(":") for part in text.split(";"))}
+
+
 def dequant_bf16(w, s):
     out = torch.empty(w.shape, dtype=torch.bfloat16, device=DEV)
     for e in range(w.shape[0]):
@@ -165,8 +183,7 @@ def try_time(name, fn, graph=False, rep_ms=200):
 def run_model(name, tokens, gen, results, eager_max_t, skip_baselines=False):
     E, H, I, k = MODELS[name]
     t0 = time.time()
-    gu, gus = make_weights(E, 2 * I, H, gen)
-    dp, dps = make_weights(E, H, I, gen)
+    gu, gus, dp, dps = layer_weights(name, gen)
     gu_a = torch.rand(E, device=DEV, generator=gen) * 0.01 + 0.01
     dp_a = torch.rand(E, device=DEV, generator=gen) * 0.01 + 0.01
     gu16, dp16 = (None, None) if skip_baselines else (dequant_bf16(gu, gus), dequant_bf16(dp, dps))
@@ -178,8 +195,7 @@ def run_model(name, tokens, gen, results, eager_max_t, skip_baselines=False):
     eager_mod.down_proj.data, eager_mod.down_proj_scale_inv.data = dp, dps
     for T in tokens:
         for kind in ("uniform", "skewed"):
-            x = torch.randn(T, H, device=DEV, generator=gen, dtype=torch.bfloat16)
-            idx, wts = make_routing(T, E, k, kind, gen)
+            x, idx, wts = layer_inputs(name, T, gen, kind)
             hit = int(torch.unique(idx).numel())
             flops = 6 * T * k * H * I
             wbytes = hit * 3 * H * I + hit * (gus[0].numel() + dps[0].numel()) * 4

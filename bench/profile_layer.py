@@ -20,20 +20,15 @@ from torch.profiler import ProfilerActivity, profile
 import fp8_moe_ops  # noqa: F401
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from bench_moe import BLOCK, DEV, MODELS, OPS, bench_graph, make_routing, make_weights  # noqa: E402
+from bench_moe import BLOCK, DEV, MODELS, OPS, bench_graph, layer_inputs, layer_weights, parse_sweep  # noqa: E402
 
 CASES = {"deepseek_v3": [1, 8, 16384], "qwen3_30b_a3b": [1, 8, 64, 16384], "mixtral_8x7b": [1, 8, 16384]}
 CALLS = 20
 
 
-def _parse(text):
-    return {m: [int(t) for t in ts.split(",")] for m, ts in (part.split(":") for part in text.split(";"))}
-
-
 def _profile(model, T, scheme, gen, gu, gus, dp, dps) -> dict:
-    E, H, I, k = MODELS[model]
-    x = torch.randn(T, H, device=DEV, generator=gen, dtype=torch.bfloat16)
-    idx, wts = make_routing(T, E, k, "uniform", gen)
+    E = MODELS[model][0]
+    x, idx, wts = layer_inputs(model, T, gen)
     act = [None, None] if scheme == "dynamic" else [torch.rand(E, device=DEV, generator=gen) * 0.01 + 0.01
                                                     for _ in range(2)]
     fn = lambda: OPS.grouped_experts(x, idx, wts, gu, gus, dp, dps, BLOCK, "silu", *act)  # noqa: E731
@@ -60,10 +55,8 @@ def main() -> int:
     args = p.parse_args()
     gen = torch.Generator(device=DEV).manual_seed(5)
     rows = []
-    for model, tokens in (_parse(args.cases) if args.cases else CASES).items():
-        E, H, I, k = MODELS[model]
-        gu, gus = make_weights(E, 2 * I, H, gen)
-        dp, dps = make_weights(E, H, I, gen)
+    for model, tokens in (parse_sweep(args.cases) if args.cases else CASES).items():
+        gu, gus, dp, dps = layer_weights(model, gen)
         for T in tokens:
             for scheme in ("dynamic", "static"):
                 rows.append(_profile(model, T, scheme, gen, gu, gus, dp, dps))

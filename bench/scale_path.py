@@ -21,7 +21,7 @@ import fp8_moe_ops  # noqa: F401
 from fp8_moe_ops.kernels import moe
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from bench_moe import BLOCK, DEV, MODELS, OPS, bench, make_routing, make_weights  # noqa: E402
+from bench_moe import BLOCK, DEV, MODELS, OPS, bench, layer_inputs, layer_weights, make_weights  # noqa: E402
 
 
 class _PerColumn:
@@ -64,12 +64,10 @@ def main() -> int:
     del w, ws, x
     for model, tokens in (("deepseek_v3", (8192, 16384)), ("qwen3_30b_a3b", (8192, 16384)),
                           ("mixtral_8x7b", (16384,))):
-        E, H, I, k = MODELS[model]
-        gu, gus = make_weights(E, 2 * I, H, gen)
-        dp, dps = make_weights(E, H, I, gen)
+        _, H, I, k = MODELS[model]
+        gu, gus, dp, dps = layer_weights(model, gen)
         for T in tokens:
-            x = torch.randn(T, H, device=DEV, generator=gen, dtype=torch.bfloat16)
-            idx, wts = make_routing(T, E, k, "uniform", gen)
+            x, idx, wts = layer_inputs(model, T, gen)
             r = _ab(lambda: OPS.grouped_experts(x, idx, wts, gu, gus, dp, dps, BLOCK))
             r.update(case=f"{model} T={T}", tflops=6 * T * k * H * I / r["per_tile_ms"] / 1e9)
             rows.append(r)

@@ -24,7 +24,7 @@ import fp8_moe_ops  # noqa: F401
 from fp8_moe_ops.kernels import moe
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from bench_moe import BLOCK, DEV, MODELS, OPS, bench_graph, make_routing, make_weights  # noqa: E402
+from bench_moe import BLOCK, DEV, MODELS, OPS, bench_graph, layer_inputs, layer_weights, parse_sweep  # noqa: E402
 
 CANDIDATES = [  # BM, BN, num_warps, num_stages
     (16, 128, 4, 4), (16, 64, 4, 4), (16, 32, 4, 4), (32, 128, 4, 4), (64, 64, 4, 4), (64, 128, 4, 4), (64, 128, 4, 5),
@@ -35,29 +35,23 @@ SWEEP = {"deepseek_v3": [1, 8, 64, 512, 1024, 4096, 8192, 16384],
          "mixtral_8x7b": [1, 8, 64, 512, 4096, 16384]}
 
 
-def _parse_sweep(text: str) -> dict[str, list[int]]:
-    return {m: [int(t) for t in ts.split(",")] for m, ts in (part.split(":") for part in text.split(";"))}
-
-
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--models", default=None, help="model:T,T;model:T (default: the whole SWEEP)")
     p.add_argument("--candidates", default=None, help="BM,BN,warps,stages;... (default: CANDIDATES)")
     args = p.parse_args()
-    sweep = _parse_sweep(args.models) if args.models else SWEEP
+    sweep = parse_sweep(args.models) if args.models else SWEEP
     candidates = ([tuple(int(v) for v in c.split(",")) for c in args.candidates.split(";")]
                   if args.candidates else CANDIDATES)
     gen = torch.Generator(device=DEV).manual_seed(1)
     results = []
     default = moe.gemm_config
     for model, tokens in sweep.items():
-        E, H, I, k = MODELS[model]
-        gu, gus = make_weights(E, 2 * I, H, gen)
-        dp, dps = make_weights(E, H, I, gen)
+        E, _, _, k = MODELS[model]
+        gu, gus, dp, dps = layer_weights(model, gen)
         for T in tokens:
-            x = torch.randn(T, H, device=DEV, generator=gen, dtype=torch.bfloat16)
-            idx, wts = make_routing(T, E, k, "uniform", gen)
+            x, idx, wts = layer_inputs(model, T, gen)
             row = {"model": model, "T": T, "rows_per_expert": T * k / min(E, T * k), "times": {}}
             for bm, bn, nw, ns in candidates:
                 moe.gemm_config = lambda S, E_, N, K: {"BM": bm, "BN": bn, "GROUP_M": 8, "num_warps": nw,
