@@ -239,7 +239,7 @@ def test_weight_scale_per_tile_and_per_column(monkeypatch, BN, static, scale_dty
     E, S, N, K, block = 3, 11, 72, 48, [32, 16]
     gen = torch.Generator().manual_seed(BN)
     w = torch.randn(E, N, K, generator=gen) * 0.1
-    w[1, 32:64] *= 16  # neighbouring scale blocks differ a lot: a mixed-up block shows
+    w[2, 32:64] *= 16  # neighbouring scale blocks differ a lot (UE8M0 too): a mixed-up block shows
     w, ws = reference.quantize_weight_blockwise(w, block, scale_dtype)
     x = torch.randn(S, K, generator=gen).to(torch.bfloat16)
     offsets = _counts_to_offsets([4, 0, 6])  # an empty expert, one row past the last
@@ -357,13 +357,16 @@ def test_sort_slots_layout():
 
 
 @pytest.mark.parametrize("S,E,kind", [
+    (0, 4, "random"),       # no slot: offsets all zero, no launch
     (1, 3, "random"),
+    (5, 1, "random"),       # one expert
     (8, 256, "random"),
     (128, 127, "random"),   # one full block; E + 1 = 128 bins exactly
     (129, 5, "one"),        # a second block of one slot; every slot on one expert
     (300, 7, "random"),
     (200, 9, "sentinel"),   # no slot on any expert
     (2048, 5, "random"),
+    (2048, 255, "random"),  # the largest one-launch S, E + 1 = 256 bins
     (2049, 4, "random"),    # torch path
 ])
 def test_sort_kernel_matches_torch_sort(S, E, kind):
@@ -379,12 +382,13 @@ def test_sort_kernel_matches_torch_sort(S, E, kind):
     assert torch.equal(perm.long(), rperm) and torch.equal(offsets, roffsets)
 
 
+@pytest.mark.parametrize("first", [0, 2], ids=["first_expert_empty", "first_expert_rows"])
 @pytest.mark.parametrize("E", [1, 5, 8, 255, 256])  # E = 2^n needs n + 1 search steps
-def test_expert_of_rows_is_searchsorted(E):
+def test_expert_of_rows_is_searchsorted(E, first):
     # the binary search of the quant / activation kernels == torch.searchsorted(right=True)
     gen = torch.Generator().manual_seed(E)
     counts = torch.randint(0, 3, (E,), generator=gen)
-    counts[0] = 0  # the first expert empty: row 0 belongs to a later one
+    counts[0] = first  # empty: row 0 belongs to a later expert; else answers start at 0
     offsets = counts.cumsum(0).to(torch.int32)
     R = int(offsets[-1]) + 5  # rows past offsets[-1]: expert E
     out = torch.empty(R, dtype=torch.int32)

@@ -5,7 +5,8 @@ sizes, warps and pipeline stages; entries under ``"shapes"`` (key ``"N,K"``) ove
 the default list for one weight shape.  An entry's optional ``min_programs`` halves
 ``BN`` (not below 32) while fewer (expert, N tile) programs than that would run: at
 decode a layer's few active experts otherwise stream their weights through a fraction
-of the SMs.  The table was written from the sweep of
+of the SMs (264 in the table: two per SM of the H200's 132; a GPU with many more SMs
+would want its own table).  The table was written from the sweep of
 ``bench/tune.py`` on an H200 (winners per bucket, by hand: see docs/benchmarks.md);
 other GPUs use the same table.
 """

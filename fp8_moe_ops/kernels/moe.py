@@ -6,7 +6,7 @@ and returns its output.  They run on CUDA tensors, and on CPU tensors under
 slots, slot ``t*k + j`` is token t's j-th choice):
 
 1. ``perm`` (S,) sorted position -> slot, ``offsets`` (E,): :mod:`.sort` (one launch)
-   for S <= 4096, else :mod:`fp8_moe_ops.routing` (torch.sort);
+   for S <= 2048, else :mod:`fp8_moe_ops.routing` (torch.sort);
 2. activations quantised once: dynamic, (T, H) per token before any gather (scales
    do not depend on the expert); static, the sorted rows with their expert's scale;
 3. gate_up GEMM, A rows gathered by ``perm // k`` -> h (S, 2I) in sorted order;
@@ -65,6 +65,8 @@ def _sort_slots(expert_ids: torch.Tensor, E: int) -> tuple[torch.Tensor, torch.T
     ids = expert_ids.reshape(-1)
     perm = torch.empty(S, dtype=torch.int32, device=ids.device)
     offsets = torch.empty(E, dtype=torch.int32, device=ids.device)
+    if S == 0:  # an empty grid would leave offsets unwritten
+        return perm, offsets.zero_()
     grid, block, bins, nb = sort_launch_shape(S, E)
     _sort_kernel[grid](ids, perm, offsets, S, E, BLOCK=block, NB=bins, NUM_BLOCKS=nb)
     return perm, offsets
