@@ -32,6 +32,9 @@ import fp8_moe_ops  # noqa: F401  (registers torch.ops.fp8_moe)
 from fp8_moe_ops import reference
 from fp8_moe_ops.kernels import moe
 
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from bench_moe import MODELS  # noqa: E402  (the PERF.md shapes)
+
 DEV = "cuda"
 E8M0 = torch.float8_e8m0fnu
 FP8 = torch.float8_e4m3fn
@@ -268,10 +271,8 @@ def check_shipped_configs(gen) -> None:
     compare with the reference: same K steps, so they must agree to rounding."""
     from fp8_moe_ops.kernels import config
 
-    shapes = {"deepseek_v3": (256, 7168, 2048, 8), "qwen3_30b_a3b": (128, 2048, 768, 8),
-              "mixtral_8x7b": (8, 4096, 14336, 2)}
     small = {"BM": 16, "BN": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
-    for name, (E, H, I, k) in shapes.items():
+    for name, (E, H, I, k) in MODELS.items():
         gu = (torch.randn(E, 2 * I, H, device=DEV, dtype=torch.bfloat16) * 32).to(FP8)
         dp = (torch.randn(E, H, I, device=DEV, dtype=torch.bfloat16) * 32).to(FP8)
         gus = torch.rand(E, 2 * I // 128, H // 128, device=DEV) * 2e-4 + 1e-4

@@ -30,20 +30,8 @@ import fp8_moe_ops  # noqa: E402,F401
 
 t_import = time.perf_counter() - t_start
 
-BLOCK = [128, 128]
-MODELS = {"deepseek_v3": (256, 7168, 2048, 8), "qwen3_30b_a3b": (128, 2048, 768, 8),
-          "mixtral_8x7b": (8, 4096, 14336, 2)}
-
-
-def _inputs(E, H, I, k, T):
-    fp8 = torch.float8_e4m3fn
-    gu = torch.randn(E, 2 * I, H, device="cuda", dtype=torch.bfloat16).to(fp8)
-    dp = torch.randn(E, H, I, device="cuda", dtype=torch.bfloat16).to(fp8)
-    gus = torch.rand(E, 2 * I // 128, H // 128, device="cuda") * 1e-3
-    dps = torch.rand(E, H // 128, I // 128, device="cuda") * 1e-3
-    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
-    idx = torch.topk(torch.rand(T, E, device="cuda"), k, dim=1).indices
-    return x, idx, torch.rand(T, k, device="cuda"), gu, gus, dp, dps
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from bench_moe import BLOCK, DEV, MODELS, layer_inputs, layer_weights  # noqa: E402
 
 
 def main() -> int:
@@ -56,7 +44,7 @@ def main() -> int:
         return 2
     res = {"import_s": t_import, "torch": torch.__version__}
     t0 = time.perf_counter()
-    torch.zeros(1, device="cuda")
+    torch.zeros(1, device=DEV)
     torch.cuda.synchronize()
     res["cuda_init_s"] = time.perf_counter() - t0
     # a custom op's first call imports torch._dynamo (torch wraps every custom-op
@@ -65,10 +53,10 @@ def main() -> int:
     t0 = time.perf_counter()
     importlib.import_module("torch._dynamo")
     res["torch_dynamo_import_s"] = time.perf_counter() - t0
+    gen = torch.Generator(device=DEV).manual_seed(0)
     calls = [(m, 1) for m in MODELS] + [("mixtral_8x7b", 4096)]
     for i, (model, T) in enumerate(calls):
-        E, H, I, k = MODELS[model]
-        args_ = _inputs(E, H, I, k, T)
+        args_ = (*layer_inputs(model, T, gen), *layer_weights(model, gen))
         torch.cuda.synchronize()
         prof = cProfile.Profile() if i == 0 else None
         t0 = time.perf_counter()
