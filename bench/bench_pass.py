@@ -4,7 +4,7 @@ Run on a CUDA machine (never in CI):
 
     PYTHONPATH=. python bench/bench_pass.py --out-dir OUT [--models qwen3_30b_a3b,deepseek_v3]
 
-The layer is the demo's (``fp8_moe_ops.__main__.MoELayer``): a float32 router, top-k
+The layer is the demo's (``fp8_moe_ops.demo.MoELayer``): a float32 router, top-k
 softmax and ``FP8Experts(dispatch="eager")`` — a Python loop over all E experts — with
 random block-quantised weights.  For each model it measures, at several token counts:
 
@@ -59,7 +59,7 @@ def _build_layer(E, H, I, k):
     from torch import nn
 
     import fp8_moe_ops
-    from fp8_moe_ops.__main__ import MoELayer
+    from fp8_moe_ops.demo import MoELayer
 
     torch.manual_seed(0)  # the router and the tokens
     gen = torch.Generator(device="cuda").manual_seed(0)

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from .modules import FP8Experts, FP8Linear
-from .reference import FP8_MAX
+from .functional import FP8_MAX
 
 
 def _scale_from_amax(amax: torch.Tensor) -> torch.Tensor:

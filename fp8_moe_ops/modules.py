@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from . import ops as _ops  # noqa: F401  (registers torch.ops.fp8_moe)
-from . import reference
+from .functional import ACTIVATIONS, cdiv, gated_activation
 from .quantization import quantize_weight
 
 SCHEMES = ("dynamic", "static")
@@ -31,7 +31,7 @@ def _check_choice(name: str, value: str, choices: Sequence[str]) -> None:
 
 
 def _scale_grid(rows: int, cols: int, block_size: Sequence[int]) -> tuple[int, int]:
-    return reference.cdiv(rows, block_size[0]), reference.cdiv(cols, block_size[1])
+    return cdiv(rows, block_size[0]), cdiv(cols, block_size[1])
 
 
 class FP8Linear(nn.Module):
@@ -113,7 +113,7 @@ class FP8Experts(nn.Module):
                  activation_scheme: str = "dynamic", dispatch: str = "eager",
                  scale_dtype: torch.dtype = torch.float32, swiglu_limit: float | None = None, device=None):
         super().__init__()
-        _check_choice("activation", activation, reference.ACTIVATIONS)
+        _check_choice("activation", activation, ACTIVATIONS)
         _check_choice("activation_scheme", activation_scheme, SCHEMES)
         _check_choice("dispatch", dispatch, DISPATCHES)
         E, H, I = num_experts, hidden_size, intermediate_size
@@ -170,7 +170,7 @@ class FP8Experts(nn.Module):
             x = hidden_states[tok]
             h = torch.ops.fp8_moe.linear(x, self.gate_up_proj[e], self.gate_up_proj_scale_inv[e], self.block_size,
                                          None if gu_scale is None else gu_scale[e])
-            a = reference.gated_activation(h, self.activation, self.swiglu_limit)
+            a = gated_activation(h, self.activation, self.swiglu_limit)
             y = torch.ops.fp8_moe.linear(a, self.down_proj[e], self.down_proj_scale_inv[e], self.block_size,
                                          None if down_scale is None else down_scale[e])
             out.index_add_(0, tok, y.float() * top_k_weights[tok, pos, None].float())

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 import torch
 
 from . import reference
+from .functional import ACTIVATIONS, cdiv
 
 _ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _SCALE_DTYPES = (torch.float32, torch.float8_e8m0fnu)
@@ -90,7 +91,7 @@ def _check_weight(name: str, w: torch.Tensor, scale_name: str, scale: torch.Tens
         _fail(TypeError, scale_name, "dtype torch.float32 or torch.float8_e8m0fnu", scale.dtype)
     bn, bk = _check_block_size(block_size)
     N, K = w.shape[-2:]
-    grid = (reference.cdiv(N, bn), reference.cdiv(K, bk))
+    grid = (cdiv(N, bn), cdiv(K, bk))
     lead = tuple(w.shape[:-2])
     if tuple(scale.shape) not in (lead + grid, lead + (1, 1)):
         _fail(
@@ -192,8 +193,8 @@ def check_experts(hidden, top_k_index, top_k_weights, gate_up_proj, gate_up_scal
         _fail(ValueError, "gate_up_proj", f"shape (E, 2I, {H}) (H from hidden)", _shape(gate_up_proj))
     if tuple(down_proj.shape) != (E, H, two_i // 2):
         _fail(ValueError, "down_proj", f"shape {(E, H, two_i // 2)} (E, H, I from gate_up_proj and hidden)", _shape(down_proj))
-    if activation not in reference.ACTIVATIONS:
-        _fail(ValueError, "activation", f"one of {reference.ACTIVATIONS}", repr(activation))
+    if activation not in ACTIVATIONS:
+        _fail(ValueError, "activation", f"one of {ACTIVATIONS}", repr(activation))
     _check_act_scale("gate_up_act_scale", gate_up_act_scale, E, f"shape ({E},) (one scale per expert)")
     _check_act_scale("down_act_scale", down_act_scale, E, f"shape ({E},) (one scale per expert)")
     if swiglu_limit is not None and not swiglu_limit > 0:

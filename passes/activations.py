@@ -11,7 +11,7 @@ variant with other constants does not match.
 Each template is one of two numeric variants:
 
 * ``"float32"``: ``(act(gate.float()) * up.float()).to(dtype)`` -- the numerics of
-  ``reference.gated_activation`` (and of the grouped op): exact after the rewrite;
+  ``fp8_moe_ops.functional.gated_activation`` (and of the grouped op): exact after the rewrite;
 * ``"native"``: ``act(gate) * up`` computed in the activation dtype, as model files
   write it (``act_fn(w1(x)) * w3(x)`` in bf16).  The grouped op computes the same in
   float32 from the same rounded inputs and rounds once, so it is at least as accurate.

@@ -332,7 +332,7 @@ def _match_iter(rows: Node, value: Node, acc_dtype: torch.dtype) -> _Iter:
     gate_up = tuple(_linear_args(gu_linears[0])[1:3])
     if len(gu_linears) == 2:
         gate_up += tuple(_linear_args(gu_linears[1])[1:3])
-    # bitwise with the op only when every rounding matches reference.gated_activation
+    # bitwise with the op only when every rounding matches fp8_moe_ops.functional.gated_activation
     # and the combine accumulates float32 products in float32
     exact = (am.variant == "float32" and am.spelling == 0 and _dtype(v) == torch.float32
              and acc_dtype == torch.float32)

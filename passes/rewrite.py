@@ -12,7 +12,7 @@ import torch
 from torch._dynamo.utils import counters
 from torch.fx import Graph, Node
 
-from fp8_moe_ops.reference import cdiv
+from fp8_moe_ops.functional import cdiv
 
 from .matching import (
     GROUPED, LINEAR, META_ASSERT, Loop, Skip, accumulation_step, analyse, aten, collect_chain, is_call, same_size,

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from fp8_moe_ops import __main__ as demo
+from fp8_moe_ops import demo
 
 
 @pytest.mark.slow

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fp8_moe_ops
-from fp8_moe_ops.__main__ import _plain_package_crashes
+from fp8_moe_ops.demo import plain_package_crashes
 
 from helpers import make_experts_inputs, rel_err
 
@@ -62,7 +62,7 @@ def _run_subprocess(code: str, tmp: str):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code), tmp], capture_output=True, text=True, env=env,
                           timeout=600)
-    if proc.returncode < 0 and _plain_package_crashes("cuda", tmp):
+    if proc.returncode < 0 and plain_package_crashes("cuda", tmp):
         pytest.skip(f"AOTInductor crashes (signal {-proc.returncode}) loading a plain nn.Linear CUDA package too")
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
 

@@ -44,7 +44,7 @@ from transformers.integrations import finegrained_fp8 as _tf_fp8
 from transformers.integrations import moe as _tf_moe
 
 from .. import ops as _ops  # noqa: F401  (registers torch.ops.fp8_moe)
-from .. import reference
+from .. import functional
 from ..calibration import calibrate_static_scales
 from ..modules import DISPATCHES, SCHEMES, FP8Experts
 
@@ -84,7 +84,7 @@ def _activation_name(act_fn: nn.Module | None) -> str:
     if name not in _ACTIVATIONS:
         raise NotImplementedError(
             f"act_fn: expected one of {sorted(_ACTIVATIONS)} or nn.GELU (the ops support "
-            f"{reference.ACTIVATIONS}), got {name}"
+            f"{functional.ACTIVATIONS}), got {name}"
         )
     return _ACTIVATIONS[name]
 
@@ -138,7 +138,7 @@ def _blocks(module: nn.Module) -> tuple[list[int], list[int]]:
         return [bn, bk], [bn, bk]
     if I < bn and rows == 2:
         return [I, bk], [bn, bk]
-    if rows == reference.cdiv(2 * I, bn) != 2 * reference.cdiv(I, bn):
+    if rows == functional.cdiv(2 * I, bn) != 2 * functional.cdiv(I, bn):
         # Only a uniform quantisation of the fused (2I, H) matrix fits this grid.
         return [bn, bk], [bn, bk]
     raise NotImplementedError(
@@ -181,8 +181,8 @@ def _experts_forward(module, hidden_states, top_k_index, top_k_weights, grouped:
     # Two block sizes: the experts ops' pipeline with one GEMM op per projection, so
     # each reads its own scale grid.
     E = gate_up.shape[0]
-    pipeline, gemm = ((reference.grouped_pipeline, torch.ops.fp8_moe.grouped_mm) if grouped
-                      else (reference.batched_pipeline, torch.ops.fp8_moe.batched_mm))
+    pipeline, gemm = ((functional.grouped_pipeline, torch.ops.fp8_moe.grouped_mm) if grouped
+                      else (functional.batched_pipeline, torch.ops.fp8_moe.batched_mm))
     return pipeline(
         hidden_states, top_k_index, top_k_weights, E,
         lambda x, rows: gemm(x, gate_up, gate_up_scale, rows, gate_up_block, gate_up_act),
