@@ -31,6 +31,8 @@ def calibrate_static_scales(model: nn.Module, calibration_batches: Iterable) -> 
     ``activation_scheme = "static"`` with scale ``amax / 448`` (the dequant multiplier).
     Returns ``model``, modified in place.
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
     targets = [m for m in model.modules() if isinstance(m, (FP8Linear, FP8Experts))]
     if not targets:
         raise ValueError("model: expected a module containing FP8Linear or FP8Experts, found none")

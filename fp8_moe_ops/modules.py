@@ -4,6 +4,11 @@ Their parameters use the attribute names of transformers' FineGrainedFP8 layers
 (``weight_scale_inv``, ``gate_up_proj_scale_inv``, ``*_activation_scale``) so that
 checkpoints map one to one.  Static activation scales are set by
 :func:`fp8_moe_ops.calibrate_static_scales` or loaded from a checkpoint.
+
+Both modules check what they are given as the ops do -- a ``TypeError`` or
+``ValueError`` naming the argument (or state-dict key), with expected and got -- at
+construction, on assignment of ``activation_scheme`` / ``dispatch`` / ``activation``,
+in ``forward`` and in ``load_state_dict``, so misuse never runs silently.
 """
 
 from __future__ import annotations
@@ -13,28 +18,73 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from . import ops as _ops  # noqa: F401  (registers torch.ops.fp8_moe)
+from . import ops
+from ._checks import (
+    check_block_size,
+    check_choice,
+    check_positive_int,
+    check_scale_dtype,
+    check_swiglu_limit,
+    fail,
+    shape_str,
+)
 from .functional import ACTIVATIONS, cdiv, gated_activation
 from .quantization import quantize_weight
 
 SCHEMES = ("dynamic", "static")
 DISPATCHES = ("eager", "grouped", "batched")
+_ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 def _frozen(t: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(t, requires_grad=False)
 
 
-def _check_choice(name: str, value: str, choices: Sequence[str]) -> None:
-    if value not in choices:
-        raise ValueError(f"{name}: expected one of {tuple(choices)}, got {value!r}")
-
-
 def _scale_grid(rows: int, cols: int, block_size: Sequence[int]) -> tuple[int, int]:
     return cdiv(rows, block_size[0]), cdiv(cols, block_size[1])
 
 
-class FP8Linear(nn.Module):
+def _check_activations(name: str, x: object, last_dim: int, last_dim_name: str) -> None:
+    if not isinstance(x, torch.Tensor):
+        fail(TypeError, name, "a Tensor", type(x).__name__)
+    if x.dtype not in _ACT_DTYPES:
+        fail(TypeError, name, "dtype bfloat16, float16 or float32", x.dtype)
+    if x.dim() < 1 or x.shape[-1] != last_dim:
+        fail(ValueError, name, f"shape (..., {last_dim}) (last dim = {last_dim_name})", shape_str(x))
+
+
+class _CheckedStateDict:
+    """``load_state_dict`` refuses a parameter of another dtype or shape (nn.Module
+    would cast a float weight to fp8 silently) with a ``TypeError`` / ``ValueError``
+    naming the key."""
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        for name, param in self._parameters.items():
+            key = prefix + name
+            if param is None or key not in state_dict:
+                continue
+            value = state_dict[key]
+            if not isinstance(value, torch.Tensor):
+                fail(TypeError, key, "a Tensor", type(value).__name__)
+            if value.dtype != param.dtype:
+                fail(TypeError, key, f"dtype {param.dtype} (that of {type(self).__name__}.{name})", value.dtype)
+            if value.shape != param.shape:
+                fail(ValueError, key, f"shape {tuple(param.shape)} (that of {type(self).__name__}.{name})",
+                     shape_str(value))
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+
+
+def _check_static_ready(module: nn.Module, names: Sequence[str]) -> None:
+    missing = [n for n in names if getattr(module, n, None) is None]
+    if missing:
+        fail(ValueError, "activation_scheme",
+             f"'dynamic' until the static scales {missing} exist (calibrate_static_scales sets them)", "'static'")
+
+
+class FP8Linear(_CheckedStateDict, nn.Module):
     """A linear layer with block-quantised fp8 weights: ``y = x @ W^T (+ bias)``.
 
     Attributes:
@@ -43,28 +93,46 @@ class FP8Linear(nn.Module):
         activation_scale: (1,) float32, static scheme only (else ``None``).
         bias: (out_features,) or ``None``.
 
-    ``forward`` takes (..., in_features) in bf16/fp16/fp32 and returns the same dtype.
+    ``forward`` takes (..., in_features) in bf16/fp16/fp32 and returns (..., out_features)
+    in the same dtype.
     """
 
     def __init__(self, in_features: int, out_features: int, block_size: Sequence[int] = (128, 128),
                  activation_scheme: str = "dynamic", scale_dtype: torch.dtype = torch.float32,
                  bias: bool = False, device=None):
         super().__init__()
-        _check_choice("activation_scheme", activation_scheme, SCHEMES)
-        self.in_features, self.out_features = in_features, out_features
-        self.block_size = [int(b) for b in block_size]
-        self.activation_scheme = activation_scheme
+        self.in_features = check_positive_int("in_features", in_features)
+        self.out_features = check_positive_int("out_features", out_features)
+        self.block_size = [int(b) for b in check_block_size(block_size)]
+        check_choice("activation_scheme", activation_scheme, SCHEMES)
+        check_scale_dtype(scale_dtype)
+        if not isinstance(bias, bool):
+            fail(TypeError, "bias", "a bool", repr(bias))
         grid = _scale_grid(out_features, in_features, self.block_size)
         self.weight = _frozen(torch.zeros(out_features, in_features, dtype=torch.float8_e4m3fn, device=device))
         self.weight_scale_inv = _frozen(torch.ones(grid, device=device).to(scale_dtype))
-        act = torch.ones(1, device=device) if activation_scheme == "static" else None
-        self.activation_scale = None if act is None else _frozen(act)
+        static = activation_scheme == "static"
+        self.activation_scale = _frozen(torch.ones(1, device=device)) if static else None
         self.bias = _frozen(torch.zeros(out_features, device=device)) if bias else None
+        self.activation_scheme = activation_scheme
+
+    @property
+    def activation_scheme(self) -> str:
+        return self._activation_scheme
+
+    @activation_scheme.setter
+    def activation_scheme(self, value: str) -> None:
+        check_choice("activation_scheme", value, SCHEMES)
+        if value == "static":
+            _check_static_ready(self, ("activation_scale",))
+        self._activation_scheme = value
 
     @classmethod
     def from_float(cls, linear: nn.Linear, block_size: Sequence[int] = (128, 128),
                    scale_dtype: torch.dtype = torch.float32) -> FP8Linear:
         """Quantises an ``nn.Linear`` (dynamic scheme; see ``calibrate_static_scales``)."""
+        if not isinstance(linear, nn.Linear):
+            fail(TypeError, "linear", "an nn.Linear", type(linear).__name__)
         w = linear.weight.detach()
         mod = cls(linear.in_features, linear.out_features, block_size, "dynamic", scale_dtype,
                   bias=linear.bias is not None, device=w.device)
@@ -75,10 +143,12 @@ class FP8Linear(nn.Module):
         return mod
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _check_activations("x", x, self.in_features, "in_features")
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         if self._observer is not None:
             self._observer.copy_(torch.maximum(self._observer, x2.detach().float().abs().amax()))
-        y = torch.ops.fp8_moe.linear(x2, self.weight, self.weight_scale_inv, self.block_size, self.activation_scale)
+        act_scale = self.activation_scale if self.activation_scheme == "static" else None
+        y = torch.ops.fp8_moe.linear(x2, self.weight, self.weight_scale_inv, self.block_size, act_scale)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
@@ -91,7 +161,7 @@ class FP8Linear(nn.Module):
                 f"bias={self.bias is not None}")
 
 
-class FP8Experts(nn.Module):
+class FP8Experts(_CheckedStateDict, nn.Module):
     """Gated MoE experts with fp8 block-quantised weights.
 
     Attributes:
@@ -101,26 +171,29 @@ class FP8Experts(nn.Module):
         gate_up_proj_activation_scale, down_proj_activation_scale: (E,) float32
         (static scheme only, else ``None``).
 
-    ``forward(hidden_states (T, H), top_k_index (T, k), top_k_weights (T, k)) -> (T, H)``.
-    ``dispatch``: ``"eager"`` is a Python loop over ``range(num_experts)`` calling
+    ``forward(hidden_states (..., H), top_k_index (..., k), top_k_weights (..., k)) ->
+    (..., H)``: any leading dims, the same for the three tensors.  ``dispatch``:
+    ``"eager"`` is a Python loop over ``range(num_experts)`` calling
     ``torch.ops.fp8_moe.linear`` (what the graph pass rewrites); ``"grouped"`` and
     ``"batched"`` call ``torch.ops.fp8_moe.grouped_experts`` / ``batched_experts``.
     All three give the same result up to float32 summation order.
     """
+
+    _STATIC_SCALES = ("gate_up_proj_activation_scale", "down_proj_activation_scale")
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
                  block_size: Sequence[int] = (128, 128), activation: str = "silu",
                  activation_scheme: str = "dynamic", dispatch: str = "eager",
                  scale_dtype: torch.dtype = torch.float32, swiglu_limit: float | None = None, device=None):
         super().__init__()
-        _check_choice("activation", activation, ACTIVATIONS)
-        _check_choice("activation_scheme", activation_scheme, SCHEMES)
-        _check_choice("dispatch", dispatch, DISPATCHES)
-        E, H, I = num_experts, hidden_size, intermediate_size
-        self.num_experts, self.hidden_size, self.intermediate_size = E, H, I
-        self.block_size = [int(b) for b in block_size]
-        self.activation, self.activation_scheme, self.dispatch = activation, activation_scheme, dispatch
-        self.swiglu_limit = swiglu_limit
+        E = self.num_experts = check_positive_int("num_experts", num_experts)
+        H = self.hidden_size = check_positive_int("hidden_size", hidden_size)
+        I = self.intermediate_size = check_positive_int("intermediate_size", intermediate_size)
+        self.block_size = [int(b) for b in check_block_size(block_size)]
+        check_choice("activation_scheme", activation_scheme, SCHEMES)
+        check_scale_dtype(scale_dtype)
+        self.activation, self.dispatch = activation, dispatch
+        self.swiglu_limit = check_swiglu_limit(swiglu_limit)
         fp8 = torch.float8_e4m3fn
         self.gate_up_proj = _frozen(torch.zeros(E, 2 * I, H, dtype=fp8, device=device))
         self.gate_up_proj_scale_inv = _frozen(torch.ones(E, *_scale_grid(2 * I, H, self.block_size), device=device).to(scale_dtype))
@@ -129,6 +202,35 @@ class FP8Experts(nn.Module):
         static = activation_scheme == "static"
         self.gate_up_proj_activation_scale = _frozen(torch.ones(E, device=device)) if static else None
         self.down_proj_activation_scale = _frozen(torch.ones(E, device=device)) if static else None
+        self.activation_scheme = activation_scheme
+
+    # Settings checked on every assignment: a typo after construction raises at once.
+    @property
+    def dispatch(self) -> str:
+        return self._dispatch
+
+    @dispatch.setter
+    def dispatch(self, value: str) -> None:
+        self._dispatch = check_choice("dispatch", value, DISPATCHES)
+
+    @property
+    def activation(self) -> str:
+        return self._activation
+
+    @activation.setter
+    def activation(self, value: str) -> None:
+        self._activation = check_choice("activation", value, ACTIVATIONS)
+
+    @property
+    def activation_scheme(self) -> str:
+        return self._activation_scheme
+
+    @activation_scheme.setter
+    def activation_scheme(self, value: str) -> None:
+        check_choice("activation_scheme", value, SCHEMES)
+        if value == "static":
+            _check_static_ready(self, self._STATIC_SCALES)
+        self._activation_scheme = value
 
     @classmethod
     def from_float(cls, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, block_size: Sequence[int] = (128, 128),
@@ -138,32 +240,75 @@ class FP8Experts(nn.Module):
 
         The result uses the dynamic scheme; :func:`fp8_moe_ops.calibrate_static_scales`
         turns it static."""
+        for name, t in (("gate_up_proj", gate_up_proj), ("down_proj", down_proj)):
+            if not isinstance(t, torch.Tensor):
+                fail(TypeError, name, "a Tensor", type(t).__name__)
         if gate_up_proj.dim() != 3 or gate_up_proj.shape[1] % 2:
-            raise ValueError(f"gate_up_proj: expected shape (E, 2I, H), got {tuple(gate_up_proj.shape)}")
+            fail(ValueError, "gate_up_proj", "shape (E, 2I, H)", shape_str(gate_up_proj))
         E, two_i, H = gate_up_proj.shape
         if tuple(down_proj.shape) != (E, H, two_i // 2):
-            raise ValueError(f"down_proj: expected shape {(E, H, two_i // 2)}, got {tuple(down_proj.shape)}")
+            fail(ValueError, "down_proj", f"shape {(E, H, two_i // 2)} (E, H, I from gate_up_proj)", shape_str(down_proj))
         mod = cls(E, H, two_i // 2, block_size, activation, "dynamic", dispatch, scale_dtype, swiglu_limit,
                   device=gate_up_proj.device)
         mod.gate_up_proj.data, mod.gate_up_proj_scale_inv.data = quantize_weight(gate_up_proj, block_size, scale_dtype)
         mod.down_proj.data, mod.down_proj_scale_inv.data = quantize_weight(down_proj, block_size, scale_dtype)
         return mod
 
-    def _op_args(self):
-        return (self.gate_up_proj, self.gate_up_proj_scale_inv, self.down_proj, self.down_proj_scale_inv,
-                self.block_size, self.activation, self.gate_up_proj_activation_scale,
-                self.down_proj_activation_scale, self.swiglu_limit)
+    def expert_weights(self) -> ops.ExpertWeights:
+        """The weights and settings as the experts ops take them (static scales only
+        under the static scheme)."""
+        static = self.activation_scheme == "static"
+        return ops.ExpertWeights(
+            self.gate_up_proj, self.gate_up_proj_scale_inv, self.down_proj, self.down_proj_scale_inv,
+            self.block_size, self.activation,
+            self.gate_up_proj_activation_scale if static else None,
+            self.down_proj_activation_scale if static else None,
+            self.swiglu_limit)
+
+    def _check_inputs(self, hidden_states, top_k_index, top_k_weights) -> None:
+        _check_activations("hidden_states", hidden_states, self.hidden_size, "hidden_size")
+        lead = tuple(hidden_states.shape[:-1])
+        if not isinstance(top_k_index, torch.Tensor):
+            fail(TypeError, "top_k_index", "a Tensor", type(top_k_index).__name__)
+        if top_k_index.dtype not in _INDEX_DTYPES:
+            fail(TypeError, "top_k_index", "dtype torch.int32 or torch.int64 (expert ids)", top_k_index.dtype)
+        if top_k_index.dim() != hidden_states.dim() or tuple(top_k_index.shape[:-1]) != lead \
+                or top_k_index.shape[-1] < 1:
+            fail(ValueError, "top_k_index", f"shape {lead + ('top_k',)} (leading dims of hidden_states, top_k >= 1)",
+                 shape_str(top_k_index))
+        if not isinstance(top_k_weights, torch.Tensor):
+            fail(TypeError, "top_k_weights", "a Tensor", type(top_k_weights).__name__)
+        if top_k_weights.dtype not in _ACT_DTYPES:
+            fail(TypeError, "top_k_weights", "dtype bfloat16, float16 or float32 (routing weights)",
+                 top_k_weights.dtype)
+        if top_k_weights.shape != top_k_index.shape:
+            fail(ValueError, "top_k_weights", f"shape {tuple(top_k_index.shape)} (that of top_k_index)",
+                 shape_str(top_k_weights))
+        device = self.gate_up_proj.device
+        for name, t in (("hidden_states", hidden_states), ("top_k_index", top_k_index),
+                        ("top_k_weights", top_k_weights)):
+            if t.device != device:
+                fail(ValueError, name, f"a tensor on {device} (the device of the expert weights)", t.device)
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        self._check_inputs(hidden_states, top_k_index, top_k_weights)
+        shape = hidden_states.shape
+        if hidden_states.dim() != 2:  # any leading dims: the ops take (T, H) and (T, k)
+            k = top_k_index.shape[-1]
+            hidden_states = hidden_states.reshape(-1, self.hidden_size)
+            top_k_index, top_k_weights = top_k_index.reshape(-1, k), top_k_weights.reshape(-1, k)
         if self.dispatch == "eager" or self._observer is not None:
-            return self._forward_eager(hidden_states, top_k_index, top_k_weights)
-        op = torch.ops.fp8_moe.grouped_experts if self.dispatch == "grouped" else torch.ops.fp8_moe.batched_experts
-        return op(hidden_states, top_k_index, top_k_weights, *self._op_args())
+            out = self._forward_eager(hidden_states, top_k_index, top_k_weights)
+        else:
+            out = ops.experts(hidden_states, top_k_index, top_k_weights, self.expert_weights(), dispatch=self.dispatch)
+        return out if len(shape) == 2 else out.reshape(shape)
 
     _observer: torch.Tensor | None = None  # (2, E) running amax of gate_up and down inputs
 
     def _forward_eager(self, hidden_states, top_k_index, top_k_weights):
-        gu_scale, down_scale = self.gate_up_proj_activation_scale, self.down_proj_activation_scale
+        static = self.activation_scheme == "static"
+        gu_scale = self.gate_up_proj_activation_scale if static else None
+        down_scale = self.down_proj_activation_scale if static else None
         out = torch.zeros_like(hidden_states, dtype=torch.float32)
         for e in range(self.num_experts):
             tok, pos = torch.where(top_k_index == e)

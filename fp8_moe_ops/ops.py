@@ -1,6 +1,6 @@
 """The ``fp8_moe`` operator library: schemas, argument checks, registrations, fakes.
 
-This is the one place that defines each op's contract (DESIGN.md, "Ops").  Every op
+This is the one place that defines each op's contract (``docs/ops.md``).  Every op
 is a ``torch.library.custom_op`` with
 
 * a CPU kernel: the pure-torch reference (:mod:`fp8_moe_ops.reference`);
@@ -20,15 +20,17 @@ body before post-grad passes run.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
 from . import reference
+from ._checks import SCALE_DTYPES, check_block_size, fail, shape_str
 from .functional import ACTIVATIONS, cdiv
 
 _ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_SCALE_DTYPES = (torch.float32, torch.float8_e8m0fnu)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
 _GEMM_TAIL = "SymInt[2] block_size, Tensor? act_scale=None, ScalarType? out_dtype=None) -> Tensor"
@@ -46,34 +48,17 @@ EXPERTS_SCHEMA = (
 # --------------------------------------------------------------------------- checks
 
 
-def _fail(exc: type[Exception], name: str, expected: str, got: object) -> None:
-    raise exc(f"{name}: expected {expected}, got {got}")
-
-
-def _shape(t: torch.Tensor) -> str:
-    return f"shape {tuple(t.shape)}"
-
-
 def _check_tensor(name: str, t: object) -> None:
     if not isinstance(t, torch.Tensor):
-        _fail(TypeError, name, "a Tensor", type(t).__name__)
+        fail(TypeError, name, "a Tensor", type(t).__name__)
 
 
 def _check_act(name: str, x: torch.Tensor, rank: int = 2) -> None:
     _check_tensor(name, x)
     if x.dtype not in _ACT_DTYPES:
-        _fail(TypeError, name, "dtype bfloat16, float16 or float32", x.dtype)
+        fail(TypeError, name, "dtype bfloat16, float16 or float32", x.dtype)
     if x.dim() != rank:
-        _fail(ValueError, name, f"a {rank}-D tensor", _shape(x))
-
-
-def _check_block_size(block_size: Sequence[int]) -> tuple[int, int]:
-    if len(block_size) != 2:
-        _fail(ValueError, "block_size", "two ints [bn, bk]", list(block_size))
-    bn, bk = block_size
-    if not (bn > 0 and bk > 0):
-        _fail(ValueError, "block_size", "positive ints", list(block_size))
-    return bn, bk
+        fail(ValueError, name, f"a {rank}-D tensor", shape_str(x))
 
 
 def _check_weight(name: str, w: torch.Tensor, scale_name: str, scale: torch.Tensor, block_size: Sequence[int], experts: bool) -> None:
@@ -82,29 +67,29 @@ def _check_weight(name: str, w: torch.Tensor, scale_name: str, scale: torch.Tens
     _check_tensor(scale_name, scale)
     rank = 3 if experts else 2
     if w.dtype != torch.float8_e4m3fn:
-        _fail(TypeError, name, "dtype torch.float8_e4m3fn", w.dtype)
+        fail(TypeError, name, "dtype torch.float8_e4m3fn", w.dtype)
     if w.dim() != rank:
-        _fail(ValueError, name, f"a {rank}-D tensor ({'E, ' if experts else ''}N, K)", _shape(w))
+        fail(ValueError, name, f"a {rank}-D tensor ({'E, ' if experts else ''}N, K)", shape_str(w))
     if not w.is_contiguous():
-        _fail(ValueError, name, "a contiguous tensor (weights are never copied per call)", f"strides {w.stride()}")
-    if scale.dtype not in _SCALE_DTYPES:
-        _fail(TypeError, scale_name, "dtype torch.float32 or torch.float8_e8m0fnu", scale.dtype)
-    bn, bk = _check_block_size(block_size)
+        fail(ValueError, name, "a contiguous tensor (weights are never copied per call)", f"strides {w.stride()}")
+    if scale.dtype not in SCALE_DTYPES:
+        fail(TypeError, scale_name, "dtype torch.float32 or torch.float8_e8m0fnu", scale.dtype)
+    bn, bk = check_block_size(block_size)
     N, K = w.shape[-2:]
     grid = (cdiv(N, bn), cdiv(K, bk))
     lead = tuple(w.shape[:-2])
     if tuple(scale.shape) not in (lead + grid, lead + (1, 1)):
-        _fail(
+        fail(
             ValueError, scale_name,
             f"shape {lead + grid} (ceil of {name} (N, K) = {(N, K)} by block_size {[bn, bk]}) "
             f"or {lead + (1, 1)} (one scale per matrix)",
-            _shape(scale),
+            shape_str(scale),
         )
 
 
 def _check_out_dtype(out_dtype: torch.dtype | None) -> None:
     if out_dtype is not None and out_dtype not in _ACT_DTYPES:
-        _fail(TypeError, "out_dtype", "None, bfloat16, float16 or float32", out_dtype)
+        fail(TypeError, "out_dtype", "None, bfloat16, float16 or float32", out_dtype)
 
 
 def _check_act_scale(name: str, s: torch.Tensor | None, numel: int, shapes: str) -> None:
@@ -112,9 +97,9 @@ def _check_act_scale(name: str, s: torch.Tensor | None, numel: int, shapes: str)
         return
     _check_tensor(name, s)
     if s.dtype != torch.float32:
-        _fail(TypeError, name, "dtype torch.float32", s.dtype)
+        fail(TypeError, name, "dtype torch.float32", s.dtype)
     if s.numel() != numel or s.dim() > 1:
-        _fail(ValueError, name, shapes, _shape(s))
+        fail(ValueError, name, shapes, shape_str(s))
 
 
 def _check_same_device(**tensors: torch.Tensor | None) -> None:
@@ -122,15 +107,15 @@ def _check_same_device(**tensors: torch.Tensor | None) -> None:
     first_name, first = items[0]
     for name, t in items[1:]:
         if t.device != first.device:
-            _fail(ValueError, name, f"a tensor on {first.device} (the device of {first_name})", t.device)
+            fail(ValueError, name, f"a tensor on {first.device} (the device of {first_name})", t.device)
 
 
 def _check_k(x_name: str, x: torch.Tensor, w_name: str, w: torch.Tensor) -> None:
     if x.shape[-1] != w.shape[-1]:
-        _fail(ValueError, x_name, f"last dim K = {w.shape[-1]} (from {w_name} (..., N, K))", _shape(x))
+        fail(ValueError, x_name, f"last dim K = {w.shape[-1]} (from {w_name} (..., N, K))", shape_str(x))
 
 
-def check_linear(x, w, w_scale_inv, block_size, act_scale, out_dtype) -> None:
+def check_linear(x, w, w_scale_inv, block_size, act_scale=None, out_dtype=None) -> None:
     _check_act("x", x)
     _check_weight("w", w, "w_scale_inv", w_scale_inv, block_size, experts=False)
     _check_k("x", x, "w", w)
@@ -148,23 +133,23 @@ def _check_expert_gemm(x, w, w_scale_inv, block_size, act_scale, out_dtype) -> N
     _check_out_dtype(out_dtype)
 
 
-def check_grouped_mm(x, w, w_scale_inv, offsets, block_size, act_scale, out_dtype) -> None:
+def check_grouped_mm(x, w, w_scale_inv, offsets, block_size, act_scale=None, out_dtype=None) -> None:
     _check_expert_gemm(x, w, w_scale_inv, block_size, act_scale, out_dtype)
     _check_tensor("offsets", offsets)
     if offsets.dtype != torch.int32:
-        _fail(TypeError, "offsets", "dtype torch.int32", offsets.dtype)
+        fail(TypeError, "offsets", "dtype torch.int32", offsets.dtype)
     if tuple(offsets.shape) != (w.shape[0],):
-        _fail(ValueError, "offsets", f"shape ({w.shape[0]},) (one inclusive cumsum per expert of w)", _shape(offsets))
+        fail(ValueError, "offsets", f"shape ({w.shape[0]},) (one inclusive cumsum per expert of w)", shape_str(offsets))
     _check_same_device(x=x, w=w, w_scale_inv=w_scale_inv, offsets=offsets, act_scale=act_scale)
 
 
-def check_batched_mm(x, w, w_scale_inv, expert_ids, block_size, act_scale, out_dtype) -> None:
+def check_batched_mm(x, w, w_scale_inv, expert_ids, block_size, act_scale=None, out_dtype=None) -> None:
     _check_expert_gemm(x, w, w_scale_inv, block_size, act_scale, out_dtype)
     _check_tensor("expert_ids", expert_ids)
     if expert_ids.dtype not in _INDEX_DTYPES:
-        _fail(TypeError, "expert_ids", "dtype torch.int32 or torch.int64", expert_ids.dtype)
+        fail(TypeError, "expert_ids", "dtype torch.int32 or torch.int64", expert_ids.dtype)
     if tuple(expert_ids.shape) != (x.shape[0],):
-        _fail(ValueError, "expert_ids", f"shape ({x.shape[0]},) (one expert per row of x)", _shape(expert_ids))
+        fail(ValueError, "expert_ids", f"shape ({x.shape[0]},) (one expert per row of x)", shape_str(expert_ids))
     _check_same_device(x=x, w=w, w_scale_inv=w_scale_inv, expert_ids=expert_ids, act_scale=act_scale)
 
 
@@ -175,30 +160,30 @@ def check_experts(hidden, top_k_index, top_k_weights, gate_up_proj, gate_up_scal
     _check_tensor("top_k_index", top_k_index)
     _check_tensor("top_k_weights", top_k_weights)
     if top_k_index.dtype not in _INDEX_DTYPES:
-        _fail(TypeError, "top_k_index", "dtype torch.int32 or torch.int64", top_k_index.dtype)
+        fail(TypeError, "top_k_index", "dtype torch.int32 or torch.int64", top_k_index.dtype)
     if top_k_index.dim() != 2 or top_k_index.shape[0] != T:
-        _fail(ValueError, "top_k_index", f"shape ({T}, top_k) (T from hidden)", _shape(top_k_index))
+        fail(ValueError, "top_k_index", f"shape ({T}, top_k) (T from hidden)", shape_str(top_k_index))
     if top_k_index.shape[1] == 0:
-        _fail(ValueError, "top_k_index", "top_k >= 1", _shape(top_k_index))
+        fail(ValueError, "top_k_index", "top_k >= 1", shape_str(top_k_index))
     if not top_k_weights.is_floating_point() or top_k_weights.dtype not in _ACT_DTYPES:
-        _fail(TypeError, "top_k_weights", "dtype bfloat16, float16 or float32", top_k_weights.dtype)
+        fail(TypeError, "top_k_weights", "dtype bfloat16, float16 or float32", top_k_weights.dtype)
     if top_k_weights.shape != top_k_index.shape:
-        _fail(ValueError, "top_k_weights", f"shape {tuple(top_k_index.shape)} (that of top_k_index)", _shape(top_k_weights))
+        fail(ValueError, "top_k_weights", f"shape {tuple(top_k_index.shape)} (that of top_k_index)", shape_str(top_k_weights))
     _check_weight("gate_up_proj", gate_up_proj, "gate_up_scale_inv", gate_up_scale_inv, block_size, experts=True)
     _check_weight("down_proj", down_proj, "down_scale_inv", down_scale_inv, block_size, experts=True)
     E, two_i, h_in = gate_up_proj.shape
     if two_i % 2:
-        _fail(ValueError, "gate_up_proj", "an even dim 1 (gate rows then up rows, 2 * I)", _shape(gate_up_proj))
+        fail(ValueError, "gate_up_proj", "an even dim 1 (gate rows then up rows, 2 * I)", shape_str(gate_up_proj))
     if h_in != H:
-        _fail(ValueError, "gate_up_proj", f"shape (E, 2I, {H}) (H from hidden)", _shape(gate_up_proj))
+        fail(ValueError, "gate_up_proj", f"shape (E, 2I, {H}) (H from hidden)", shape_str(gate_up_proj))
     if tuple(down_proj.shape) != (E, H, two_i // 2):
-        _fail(ValueError, "down_proj", f"shape {(E, H, two_i // 2)} (E, H, I from gate_up_proj and hidden)", _shape(down_proj))
+        fail(ValueError, "down_proj", f"shape {(E, H, two_i // 2)} (E, H, I from gate_up_proj and hidden)", shape_str(down_proj))
     if activation not in ACTIVATIONS:
-        _fail(ValueError, "activation", f"one of {ACTIVATIONS}", repr(activation))
+        fail(ValueError, "activation", f"one of {ACTIVATIONS}", repr(activation))
     _check_act_scale("gate_up_act_scale", gate_up_act_scale, E, f"shape ({E},) (one scale per expert)")
     _check_act_scale("down_act_scale", down_act_scale, E, f"shape ({E},) (one scale per expert)")
     if swiglu_limit is not None and not swiglu_limit > 0:
-        _fail(ValueError, "swiglu_limit", "None or a positive float", swiglu_limit)
+        fail(ValueError, "swiglu_limit", "None or a positive float", swiglu_limit)
     _check_same_device(
         hidden=hidden, top_k_index=top_k_index, top_k_weights=top_k_weights, gate_up_proj=gate_up_proj,
         gate_up_scale_inv=gate_up_scale_inv, down_proj=down_proj, down_scale_inv=down_scale_inv,
@@ -212,23 +197,16 @@ def _check_scale_values(name: str, s: torch.Tensor | None) -> None:
         return
     sf = s.float()
     if not bool(torch.isfinite(sf).all()) or bool((sf <= 0).any()):
-        _fail(ValueError, name, "finite positive scales", f"min {sf.min().item()}, max {sf.max().item()}")
+        fail(ValueError, name, "finite positive scales", f"min {sf.min().item()}, max {sf.max().item()}")
 
 
 def _check_offsets_values(offsets: torch.Tensor, rows: int) -> None:
     if offsets.numel() == 0:
         return
     if bool((offsets[1:] < offsets[:-1]).any()) or int(offsets[0]) < 0:
-        _fail(ValueError, "offsets", "a non-decreasing, non-negative inclusive cumsum", offsets.tolist())
+        fail(ValueError, "offsets", "a non-decreasing, non-negative inclusive cumsum", offsets.tolist())
     if int(offsets[-1]) > rows:
-        _fail(ValueError, "offsets", f"offsets[-1] <= {rows} (rows of x)", int(offsets[-1]))
-
-
-# --------------------------------------------------------------------------- fakes
-
-
-def _new_2d(like: torch.Tensor, rows, cols, dtype: torch.dtype) -> torch.Tensor:
-    return like.new_empty((rows, cols), dtype=dtype)
+        fail(ValueError, "offsets", f"offsets[-1] <= {rows} (rows of x)", int(offsets[-1]))
 
 
 # --------------------------------------------------------------------------- ops
@@ -240,68 +218,46 @@ def _kernels():
     return kernels
 
 
-@torch.library.custom_op("fp8_moe::linear", mutates_args=(), schema=LINEAR_SCHEMA)
-def linear(x, w, w_scale_inv, block_size, act_scale=None, out_dtype=None):
-    """x (M, K) @ dequant(w (N, K))^T -> (M, N) with fp8 activations (see DESIGN.md)."""
-    check_linear(x, w, w_scale_inv, block_size, act_scale, out_dtype)
-    _check_scale_values("w_scale_inv", w_scale_inv)
-    _check_scale_values("act_scale", act_scale)
-    return reference.linear(x, w, w_scale_inv, block_size, act_scale, out_dtype)
+def _gemm_op(name: str, schema: str, check, ref_fn):
+    """Registers one fp8 GEMM op (``linear``, ``grouped_mm``, ``batched_mm``): the CPU
+    reference and the CUDA kernel behind the same checks, and a fake of shape (rows of
+    x, N).  ``check``'s signature is the op's (its defaults are the schema's): the
+    dispatcher hands a Python kernel the arguments as the caller spelled them."""
+    signature = inspect.signature(check)
+
+    def bind(args, kwargs) -> inspect.BoundArguments:
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        check(*bound.args)
+        return bound
+
+    def cpu_impl(*args, **kwargs):
+        bound = bind(args, kwargs)
+        a = bound.arguments
+        if "offsets" in a:
+            _check_offsets_values(a["offsets"], a["x"].shape[0])
+        _check_scale_values("w_scale_inv", a["w_scale_inv"])
+        _check_scale_values("act_scale", a["act_scale"])
+        return ref_fn(*bound.args)
+
+    op = torch.library.custom_op(f"fp8_moe::{name}", cpu_impl, mutates_args=(), schema=schema)
+
+    @op.register_fake
+    def _(*args, **kwargs):
+        a = bind(args, kwargs).arguments
+        x = a["x"]
+        return x.new_empty((x.shape[0], a["w"].shape[-2]), dtype=a["out_dtype"] or x.dtype)
+
+    @op.register_kernel("cuda")
+    def _(*args, **kwargs):
+        return getattr(_kernels(), name)(*bind(args, kwargs).args)
+
+    return op
 
 
-@linear.register_fake
-def _(x, w, w_scale_inv, block_size, act_scale=None, out_dtype=None):
-    check_linear(x, w, w_scale_inv, block_size, act_scale, out_dtype)
-    return _new_2d(x, x.shape[0], w.shape[0], out_dtype or x.dtype)
-
-
-@linear.register_kernel("cuda")
-def _(x, w, w_scale_inv, block_size, act_scale=None, out_dtype=None):
-    check_linear(x, w, w_scale_inv, block_size, act_scale, out_dtype)
-    return _kernels().linear(x, w, w_scale_inv, block_size, act_scale, out_dtype)
-
-
-@torch.library.custom_op("fp8_moe::grouped_mm", mutates_args=(), schema=GROUPED_MM_SCHEMA)
-def grouped_mm(x, w, w_scale_inv, offsets, block_size, act_scale=None, out_dtype=None):
-    """x (S, K) rows sorted by expert, offsets (E,) int32 inclusive cumsum -> (S, N)."""
-    check_grouped_mm(x, w, w_scale_inv, offsets, block_size, act_scale, out_dtype)
-    _check_offsets_values(offsets, x.shape[0])
-    _check_scale_values("w_scale_inv", w_scale_inv)
-    _check_scale_values("act_scale", act_scale)
-    return reference.grouped_mm(x, w, w_scale_inv, offsets, block_size, act_scale, out_dtype)
-
-
-@grouped_mm.register_fake
-def _(x, w, w_scale_inv, offsets, block_size, act_scale=None, out_dtype=None):
-    check_grouped_mm(x, w, w_scale_inv, offsets, block_size, act_scale, out_dtype)
-    return _new_2d(x, x.shape[0], w.shape[1], out_dtype or x.dtype)
-
-
-@grouped_mm.register_kernel("cuda")
-def _(x, w, w_scale_inv, offsets, block_size, act_scale=None, out_dtype=None):
-    check_grouped_mm(x, w, w_scale_inv, offsets, block_size, act_scale, out_dtype)
-    return _kernels().grouped_mm(x, w, w_scale_inv, offsets, block_size, act_scale, out_dtype)
-
-
-@torch.library.custom_op("fp8_moe::batched_mm", mutates_args=(), schema=BATCHED_MM_SCHEMA)
-def batched_mm(x, w, w_scale_inv, expert_ids, block_size, act_scale=None, out_dtype=None):
-    """x (S, K), expert_ids (S,) one expert per row (outside [0, E): zero row) -> (S, N)."""
-    check_batched_mm(x, w, w_scale_inv, expert_ids, block_size, act_scale, out_dtype)
-    _check_scale_values("w_scale_inv", w_scale_inv)
-    _check_scale_values("act_scale", act_scale)
-    return reference.batched_mm(x, w, w_scale_inv, expert_ids, block_size, act_scale, out_dtype)
-
-
-@batched_mm.register_fake
-def _(x, w, w_scale_inv, expert_ids, block_size, act_scale=None, out_dtype=None):
-    check_batched_mm(x, w, w_scale_inv, expert_ids, block_size, act_scale, out_dtype)
-    return _new_2d(x, x.shape[0], w.shape[1], out_dtype or x.dtype)
-
-
-@batched_mm.register_kernel("cuda")
-def _(x, w, w_scale_inv, expert_ids, block_size, act_scale=None, out_dtype=None):
-    check_batched_mm(x, w, w_scale_inv, expert_ids, block_size, act_scale, out_dtype)
-    return _kernels().batched_mm(x, w, w_scale_inv, expert_ids, block_size, act_scale, out_dtype)
+linear = _gemm_op("linear", LINEAR_SCHEMA, check_linear, reference.linear)
+grouped_mm = _gemm_op("grouped_mm", GROUPED_MM_SCHEMA, check_grouped_mm, reference.grouped_mm)
+batched_mm = _gemm_op("batched_mm", BATCHED_MM_SCHEMA, check_batched_mm, reference.batched_mm)
 
 
 def _check_experts_values(gate_up_scale_inv, down_scale_inv, gate_up_act_scale, down_act_scale) -> None:
@@ -345,3 +301,39 @@ def _experts_op(name: str, ref_fn, kernel_name: str):
 
 grouped_experts = _experts_op("grouped_experts", reference.grouped_experts, "grouped_experts")
 batched_experts = _experts_op("batched_experts", reference.batched_experts, "batched_experts")
+
+
+# --------------------------------------------------------------------------- typed Python layer
+
+
+class ExpertWeights(NamedTuple):
+    """The weights and settings of one experts layer, in the experts ops' argument order
+    (everything after the routing tensors), so callers never pass 9 arguments by position.
+
+    gate_up_proj (E, 2I, H) e4m3 with gate_up_scale_inv (E, ceil(2I/bn), ceil(H/bk)) or
+    (E, 1, 1); down_proj (E, H, I) e4m3 with down_scale_inv likewise; block_size (bn, bk);
+    gate_up_act_scale / down_act_scale (E,) float32 for static activation scales."""
+
+    gate_up_proj: torch.Tensor
+    gate_up_scale_inv: torch.Tensor
+    down_proj: torch.Tensor
+    down_scale_inv: torch.Tensor
+    block_size: Sequence[int]
+    activation: str = "silu"
+    gate_up_act_scale: torch.Tensor | None = None
+    down_act_scale: torch.Tensor | None = None
+    swiglu_limit: float | None = None
+
+
+def experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, weights: ExpertWeights,
+            *, dispatch: str = "grouped") -> torch.Tensor:
+    """The whole expert forward: ``torch.ops.fp8_moe.grouped_experts`` (``dispatch=
+    "grouped"``) or ``batched_experts`` (``"batched"``) on ``weights``.
+    hidden (T, H), top_k_index / top_k_weights (T, k) -> (T, H)."""
+    if dispatch == "grouped":
+        op = torch.ops.fp8_moe.grouped_experts
+    elif dispatch == "batched":
+        op = torch.ops.fp8_moe.batched_experts
+    else:
+        fail(ValueError, "dispatch", "'grouped' or 'batched'", repr(dispatch))
+    return op(hidden, top_k_index, top_k_weights, *weights)

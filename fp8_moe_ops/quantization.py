@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from . import reference
+from ._checks import check_block_size, check_scale_dtype
 
 
 def quantize_weight(
@@ -35,12 +36,8 @@ def quantize_weight(
         raise TypeError(f"w: expected a float32/bfloat16/float16 tensor, got {w.dtype}")
     if w.dim() not in (2, 3):
         raise ValueError(f"w: expected a 2-D (N, K) or 3-D (E, N, K) tensor, got shape {tuple(w.shape)}")
-    if block_size is None:
-        block_size = w.shape[-2:]
-    if len(block_size) != 2 or min(block_size) <= 0:
-        raise ValueError(f"block_size: expected two positive ints [bn, bk], got {list(block_size)}")
-    if scale_dtype not in (torch.float32, torch.float8_e8m0fnu):
-        raise TypeError(f"scale_dtype: expected torch.float32 or torch.float8_e8m0fnu, got {scale_dtype}")
+    block_size = w.shape[-2:] if block_size is None else check_block_size(block_size)
+    check_scale_dtype(scale_dtype)
     if not bool(torch.isfinite(w).all()):
         raise ValueError("w: expected finite values, got NaN or Inf")
     return reference.quantize_weight_blockwise(w, tuple(int(b) for b in block_size), scale_dtype)

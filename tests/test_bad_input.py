@@ -1,8 +1,11 @@
-"""Bad input gets a clear error naming the argument (one row of docs/ops.md each)."""
+"""Bad input gets a clear error naming the argument (one row of docs/ops.md each): the
+ops, then the public Python API (modules, quantisation, calibration, conversion)."""
 
 import pytest
 import torch
+from torch import nn
 
+import fp8_moe_ops
 from helpers import make_expert_weights, make_experts_inputs
 
 OPS = torch.ops.fp8_moe
@@ -22,8 +25,8 @@ LINEAR_BAD = [
     (dict(w_scale_inv=torch.ones(2, 3, dtype=torch.float16)), TypeError, "w_scale_inv: expected dtype"),
     (dict(w_scale_inv=torch.ones(2, 2)), ValueError, r"w_scale_inv: expected shape \(2, 3\)"),  # grid mismatch
     (dict(block_size=[64, 32]), ValueError, r"w_scale_inv: expected shape \(1, 3\)"),     # block vs grid
-    (dict(block_size=[32]), ValueError, "block_size: expected two ints"),
-    (dict(block_size=[0, 32]), ValueError, "block_size: expected positive"),
+    (dict(block_size=[32]), ValueError, r"block_size: expected a pair \(bn, bk\) of positive ints, got \[32\]"),
+    (dict(block_size=[0, 32]), ValueError, r"block_size: expected a pair \(bn, bk\) of positive ints, got \[0, 32\]"),
     (dict(act_scale=torch.ones(2)), ValueError, "act_scale: expected one element"),
     (dict(act_scale=torch.ones(1, dtype=torch.float64)), TypeError, "act_scale: expected dtype torch.float32"),
     (dict(act_scale=torch.tensor([-1.0])), ValueError, "act_scale: expected finite positive"),   # negative scale
@@ -132,3 +135,141 @@ def test_inf_activation_saturates_under_static_scales_only_in_its_row():
     rows = [0, 1, 3, 4, 5]
     assert torch.equal(out[rows], clean[rows])  # no other token's row changes
     assert not torch.equal(out[2], clean[2])
+
+
+# --------------------------------------------------------------------------- public Python API
+
+
+def _experts(dispatch="eager", **kw):
+    g = torch.Generator().manual_seed(0)
+    return fp8_moe_ops.FP8Experts.from_float(torch.randn(3, 32, 64, generator=g), torch.randn(3, 64, 16, generator=g),
+                                             block_size=(32, 32), dispatch=dispatch, **kw)
+
+
+def _routing(T=4, k=2):
+    g = torch.Generator().manual_seed(1)
+    w, idx = torch.topk(torch.rand(T, 3, generator=g), k)
+    return torch.randn(T, 64, generator=g).to(torch.bfloat16), idx, w
+
+
+def _swap_index_and_weights(m, h, i, w):
+    return m(h, w, i)
+
+
+MODULE_CALL_BAD = [
+    # (forward(hidden, index, weights) -> a bad call, exception, message fragment)
+    (_swap_index_and_weights, TypeError, "top_k_index: expected dtype torch.int32 or torch.int64"),  # args swapped
+    (lambda m, h, i, w: m(h, i.to(torch.int16), w), TypeError, "top_k_index: expected dtype"),
+    (lambda m, h, i, w: m(h, i, w.double()), TypeError, "top_k_weights: expected dtype bfloat16"),
+    (lambda m, h, i, w: m(h, i, w[:, :1]), ValueError, r"top_k_weights: expected shape \(4, 2\)"),
+    (lambda m, h, i, w: m(h, i[:3], w[:3]), ValueError, r"top_k_index: expected shape \(4, 'top_k'\)"),
+    (lambda m, h, i, w: m(h[:, :60], i, w), ValueError, r"hidden_states: expected shape \(..., 64\)"),
+    (lambda m, h, i, w: m(h.long(), i, w), TypeError, "hidden_states: expected dtype"),
+    (lambda m, h, i, w: m(h, i[:, :0], w[:, :0]), ValueError, "top_k >= 1"),
+    (lambda m, h, i, w: m(h[None], i, w), ValueError, r"top_k_index: expected shape \(1, 4, 'top_k'\)"),
+    (lambda m, h, i, w: m(h.to("meta"), i, w), ValueError, "hidden_states: expected a tensor on cpu"),
+]
+
+
+@pytest.mark.parametrize("dispatch", ["eager", "grouped", "batched"])
+@pytest.mark.parametrize("call,exc,match", MODULE_CALL_BAD)
+def test_experts_forward_bad_input_names_the_module_argument(call, exc, match, dispatch):
+    with pytest.raises(exc, match=match):
+        call(_experts(dispatch), *_routing())
+
+
+BLOCK_SIZE_MSG = r"block_size: expected a pair \(bn, bk\) of positive ints"
+BUILDERS = {
+    "FP8Experts.from_float": lambda bs: fp8_moe_ops.FP8Experts.from_float(
+        torch.randn(2, 8, 16), torch.randn(2, 16, 4), block_size=bs),
+    "FP8Experts": lambda bs: fp8_moe_ops.FP8Experts(2, 16, 4, block_size=bs),
+    "FP8Linear": lambda bs: fp8_moe_ops.FP8Linear(16, 8, block_size=bs),
+    "FP8Linear.from_float": lambda bs: fp8_moe_ops.FP8Linear.from_float(nn.Linear(16, 8), block_size=bs),
+    "quantize_weight": lambda bs: fp8_moe_ops.quantize_weight(torch.randn(8, 16), bs),
+    "convert_linears": lambda bs: fp8_moe_ops.convert_linears(nn.Sequential(nn.Linear(16, 8)), block_size=bs),
+}
+
+
+@pytest.mark.parametrize("builder", BUILDERS.values(), ids=BUILDERS.keys())
+@pytest.mark.parametrize("block_size,exc", [
+    (128, TypeError),            # an int, not a pair
+    ("32", TypeError),           # a string
+    ((32.0, 32), TypeError),     # not ints
+    ((32,), ValueError),         # one value
+    ((32, 32, 32), ValueError),  # three values
+    ((0, 32), ValueError),       # not positive
+])
+def test_block_size_is_always_a_pair_of_positive_ints(builder, block_size, exc):
+    with pytest.raises(exc, match=BLOCK_SIZE_MSG):
+        builder(block_size)
+
+
+CONSTRUCT_BAD = [
+    (lambda: fp8_moe_ops.FP8Experts(0, 16, 4), ValueError, "num_experts: expected a positive int, got 0"),
+    (lambda: fp8_moe_ops.FP8Experts(2, 16.0, 4), TypeError, "hidden_size: expected a positive int"),
+    (lambda: fp8_moe_ops.FP8Experts(2, 16, 4, dispatch="group"), ValueError, "dispatch: expected one of"),
+    (lambda: fp8_moe_ops.FP8Experts(2, 16, 4, activation="swish"), ValueError, "activation: expected one of"),
+    (lambda: fp8_moe_ops.FP8Experts(2, 16, 4, activation_scheme="statik"), ValueError, "activation_scheme"),
+    (lambda: fp8_moe_ops.FP8Experts(2, 16, 4, scale_dtype=torch.float16), TypeError, "scale_dtype: expected"),
+    (lambda: fp8_moe_ops.FP8Experts(2, 16, 4, swiglu_limit=-1.0), ValueError, "swiglu_limit: expected"),
+    (lambda: fp8_moe_ops.FP8Experts.from_float(torch.randn(2, 7, 16), torch.randn(2, 16, 3)), ValueError,
+     r"gate_up_proj: expected shape \(E, 2I, H\)"),
+    (lambda: fp8_moe_ops.FP8Experts.from_float(torch.randn(2, 8, 16), torch.randn(2, 16, 5)), ValueError,
+     r"down_proj: expected shape \(2, 16, 4\)"),
+    (lambda: fp8_moe_ops.FP8Linear(0, 8), ValueError, "in_features: expected a positive int"),
+    (lambda: fp8_moe_ops.FP8Linear(16, 8, bias=1), TypeError, "bias: expected a bool"),
+    (lambda: fp8_moe_ops.FP8Linear.from_float(nn.Conv1d(2, 2, 1)), TypeError, "linear: expected an nn.Linear"),
+    (lambda: fp8_moe_ops.FP8Linear(16, 8)(torch.randn(3, 15)), ValueError, r"x: expected shape \(..., 16\)"),
+    (lambda: fp8_moe_ops.quantize_weight(torch.randn(8, 16), scale_dtype=torch.bfloat16), TypeError, "scale_dtype"),
+    (lambda: fp8_moe_ops.calibrate_static_scales("model", []), TypeError, "model: expected an nn.Module"),
+    (lambda: fp8_moe_ops.calibrate_static_scales(_experts(), []), ValueError, "calibration_batches"),
+    (lambda: fp8_moe_ops.convert_linears([nn.Linear(2, 2)]), TypeError, "model: expected an nn.Module"),
+]
+
+
+@pytest.mark.parametrize("build,exc,match", CONSTRUCT_BAD)
+def test_public_api_bad_input(build, exc, match):
+    with pytest.raises(exc, match=match):
+        build()
+
+
+@pytest.mark.parametrize("name,value,match", [
+    ("dispatch", "group", r"dispatch: expected one of \('eager', 'grouped', 'batched'\), got 'group'"),
+    ("activation", "gelu_erf", "activation: expected one of"),
+    ("activation_scheme", "statik", "activation_scheme: expected one of"),
+    # static needs calibrated scales first: calibrate_static_scales sets them
+    ("activation_scheme", "static", "activation_scheme: expected 'dynamic' until the static scales"),
+])
+def test_setting_an_unknown_value_raises_at_once(name, value, match):
+    m = _experts("grouped")
+    with pytest.raises(ValueError, match=match):
+        setattr(m, name, value)
+    assert getattr(m, name) == {"dispatch": "grouped", "activation": "silu", "activation_scheme": "dynamic"}[name]
+
+
+def test_linear_scheme_needs_its_scale():
+    lin = fp8_moe_ops.FP8Linear(16, 8)
+    with pytest.raises(ValueError, match="static scales \\['activation_scale'\\]"):
+        lin.activation_scheme = "static"
+
+
+@pytest.mark.parametrize("key,value,exc,match", [
+    ("gate_up_proj", lambda t: t.float(), TypeError,                   # would be cast to fp8 silently
+     "gate_up_proj: expected dtype torch.float8_e4m3fn .*, got torch.float32"),
+    ("gate_up_proj_scale_inv", lambda t: t.to(torch.float8_e8m0fnu), TypeError, "gate_up_proj_scale_inv: expected dtype"),
+    ("down_proj", lambda t: t[:, :, :8], ValueError, r"down_proj: expected shape \(3, 64, 16\)"),
+])
+def test_load_state_dict_rejects_wrong_dtype_or_shape_naming_the_key(key, value, exc, match):
+    m = _experts()
+    sd = m.state_dict()
+    sd[key] = value(sd[key])
+    with pytest.raises(exc, match=match):
+        m.load_state_dict(sd)
+
+
+def test_load_state_dict_names_the_prefixed_key():
+    model = nn.Sequential(fp8_moe_ops.FP8Linear(16, 8))
+    sd = model.state_dict()
+    sd["0.weight"] = sd["0.weight"].float()
+    with pytest.raises(TypeError, match=r"0\.weight: expected dtype torch.float8_e4m3fn"):
+        model.load_state_dict(sd)

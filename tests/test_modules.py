@@ -113,3 +113,36 @@ def test_export_aoti_package_matches_eager(tmp_path, static):
     path = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / "experts.pt2"))
     loaded = torch._inductor.aoti_load_package(path)
     assert torch.equal(loaded(hidden, idx, w), m(hidden, idx, w))
+
+
+@pytest.mark.parametrize("dispatch", ["eager", "grouped", "batched"])
+def test_experts_accept_leading_dims(dispatch):
+    gu, dp = _float_experts(E=5, H=64, I=32)
+    m = FP8Experts.from_float(gu, dp, block_size=(32, 32), dispatch=dispatch)
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(2, 3, 64, generator=g).to(torch.bfloat16)  # (batch, sequence, H)
+    idx, w = _routing(6, 5, 2)
+    out = m(hidden, idx.view(2, 3, 2), w.view(2, 3, 2))
+    assert out.shape == (2, 3, 64) and out.dtype == torch.bfloat16
+    assert torch.equal(out, m(hidden.view(6, 64), idx, w).view(2, 3, 64))
+
+
+@pytest.mark.slow
+def test_experts_leading_dims_under_compile_with_the_pass():
+    import torch._inductor.config as inductor_config
+    from torch._dynamo.utils import counters
+
+    import fp8_moe_ops.passes as passes
+
+    gu, dp = _float_experts(E=5, H=64, I=32)
+    m = FP8Experts.from_float(gu, dp, block_size=(32, 32), dispatch="eager")
+    hidden = torch.randn(2, 3, 64, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    idx, w = _routing(6, 5, 2)
+    idx, w = idx.view(2, 3, 2), w.view(2, 3, 2)
+    torch._dynamo.reset()
+    counters["fp8_moe"].clear()
+    with passes.enabled(), inductor_config.patch(force_disable_caches=True):
+        out = torch.compile(m, fullgraph=True)(hidden, idx, w)
+    assert counters["fp8_moe"]["loops_rewritten"] == 1
+    assert out.shape == (2, 3, 64)
+    assert_agree(out, m(hidden, idx, w))

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from .._checks import check_block_size, check_scale_dtype, fail
 from ..modules import FP8Linear
 
 __all__ = ["convert_linears"]
@@ -94,6 +95,10 @@ def convert_linears(
 
     Returns ``model`` (or, when ``model`` itself is a linear layer, its replacement).
     """
+    if not isinstance(model, nn.Module):
+        fail(TypeError, "model", "an nn.Module", type(model).__name__)
+    check_block_size(block_size)
+    check_scale_dtype(scale_dtype)
     if isinstance(skip, str):
         raise TypeError(f"skip: expected a sequence of attribute names, got the string {skip!r}")
     skip = frozenset(skip)

@@ -45,6 +45,7 @@ from transformers.integrations import moe as _tf_moe
 
 from .. import ops as _ops  # noqa: F401  (registers torch.ops.fp8_moe)
 from .. import functional
+from .._checks import check_block_size, check_choice, check_scale_dtype, fail
 from ..calibration import calibrate_static_scales
 from ..modules import DISPATCHES, SCHEMES, FP8Experts
 
@@ -311,10 +312,12 @@ def quantize_experts(
     cannot express (ungated or biased experts, gpt-oss ``swiglu_alpha``, custom gates,
     unsupported activations) before changing anything.
     """
-    if activation_scheme not in SCHEMES:
-        raise ValueError(f"activation_scheme: expected one of {SCHEMES}, got {activation_scheme!r}")
-    if dispatch not in DISPATCHES:
-        raise ValueError(f"dispatch: expected one of {DISPATCHES}, got {dispatch!r}")
+    if not isinstance(model, nn.Module):
+        fail(TypeError, "model", "an nn.Module", type(model).__name__)
+    check_choice("activation_scheme", activation_scheme, SCHEMES)
+    check_choice("dispatch", dispatch, DISPATCHES)
+    check_block_size(block_size)
+    check_scale_dtype(scale_dtype)
     if activation_scheme == "static" and calibration_batches is None:
         raise ValueError("calibration_batches: expected sample batches to calibrate activation_scheme='static', got None")
     if activation_scheme == "dynamic" and calibration_batches is not None:

@@ -1,0 +1,69 @@
+"""Argument checks shared by the ops and the public Python API.
+
+Every check raises ``TypeError`` (wrong kind or dtype) or ``ValueError`` (wrong value
+or shape) whose message names the argument and says what was expected and what came:
+``"<name>: expected <what>, got <value>"``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+SCALE_DTYPES = (torch.float32, torch.float8_e8m0fnu)
+
+
+def fail(exc: type[Exception], name: str, expected: str, got: object) -> None:
+    raise exc(f"{name}: expected {expected}, got {got}")
+
+
+def shape_str(t: torch.Tensor) -> str:
+    return f"shape {tuple(t.shape)}"
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, (int, torch.SymInt)) and not isinstance(v, bool)
+
+
+def check_block_size(block_size: object, name: str = "block_size") -> tuple[int, int]:
+    """A pair ``(bn, bk)`` of positive ints (a list, tuple or ``torch.Size``)."""
+    if not isinstance(block_size, Sequence) or isinstance(block_size, str):
+        fail(TypeError, name, "a pair (bn, bk) of positive ints", repr(block_size))
+    if len(block_size) != 2 or not all(_is_int(b) for b in block_size):
+        fail(ValueError if all(_is_int(b) for b in block_size) else TypeError,
+             name, "a pair (bn, bk) of positive ints", repr(block_size))
+    bn, bk = block_size
+    if not (bn > 0 and bk > 0):
+        fail(ValueError, name, "a pair (bn, bk) of positive ints", repr(block_size))
+    return bn, bk
+
+
+def check_positive_int(name: str, value: object) -> int:
+    if not _is_int(value):
+        fail(TypeError, name, "a positive int", repr(value))
+    if not value > 0:
+        fail(ValueError, name, "a positive int", repr(value))
+    return value
+
+
+def check_choice(name: str, value: object, choices: Sequence[str]) -> str:
+    if not isinstance(value, str) or value not in choices:
+        fail(ValueError, name, f"one of {tuple(choices)}", repr(value))
+    return value
+
+
+def check_scale_dtype(scale_dtype: object, name: str = "scale_dtype") -> torch.dtype:
+    if scale_dtype not in SCALE_DTYPES:
+        fail(TypeError, name, "torch.float32 or torch.float8_e8m0fnu", scale_dtype)
+    return scale_dtype
+
+
+def check_swiglu_limit(swiglu_limit: object) -> float | None:
+    if swiglu_limit is None:
+        return None
+    if isinstance(swiglu_limit, bool) or not isinstance(swiglu_limit, (int, float)):
+        fail(TypeError, "swiglu_limit", "None or a positive float", repr(swiglu_limit))
+    if not swiglu_limit > 0:
+        fail(ValueError, "swiglu_limit", "None or a positive float", swiglu_limit)
+    return float(swiglu_limit)
