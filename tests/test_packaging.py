@@ -66,22 +66,56 @@ def test_import_is_light():
     assert out.strip() == "[]"
 
 
-@pytest.mark.slow
-def test_regular_install_provides_passes(tmp_path):
-    """A non-editable install maps the top-level passes/ folder to fp8_moe_ops.passes."""
+@pytest.fixture(scope="module")
+def regular_install(tmp_path_factory):
+    """A non-editable install of the checkout into a fresh target folder."""
     # --no-build-isolation (no network needed): this environment must hold the build requirement.
     setuptools = pytest.importorskip("setuptools")
     if int(setuptools.__version__.split(".")[0]) < 69:
         pytest.skip(f"pyproject.toml's build needs setuptools>=69; this environment has {setuptools.__version__}")
-    target = tmp_path / "site"
+    target = tmp_path_factory.mktemp("site")
     pip = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target", str(target), str(ROOT)],
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target", str(target),
+         str(ROOT)],
         capture_output=True, text=True,
     )
     assert pip.returncode == 0, pip.stderr[-3000:]
-    code = "import fp8_moe_ops.passes as p, fp8_moe_ops as f; print(p.__file__); print(f.__file__)"
+    return target
+
+
+def _run(args, target, cwd):
     env = dict(os.environ, PYTHONPATH=str(target))
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env, cwd=tmp_path)
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, cwd=cwd)
+
+
+IMPORT_BOTH = "import fp8_moe_ops.passes as p, fp8_moe_ops as f; print(p.__file__); print(f.__file__)"
+
+
+@pytest.mark.slow
+def test_regular_install_provides_passes(regular_install, tmp_path):
+    """A non-editable install maps the top-level passes/ folder to fp8_moe_ops.passes."""
+    out = _run(["-c", IMPORT_BOTH], regular_install, tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
     passes_file, pkg_file = out.stdout.split()
-    assert passes_file.startswith(str(target)) and pkg_file.startswith(str(target))
-    assert (target / "fp8_moe_ops" / "passes" / "__init__.py").exists()
+    assert passes_file.startswith(str(regular_install)) and pkg_file.startswith(str(regular_install))
+    assert (regular_install / "fp8_moe_ops" / "passes" / "__init__.py").exists()
+
+
+@pytest.mark.slow
+def test_regular_install_from_the_repository_root(regular_install):
+    # From the root, the checkout's fp8_moe_ops/ (first on sys.path) shadows the installed
+    # package and has no passes/: the package's source-tree finder maps it to passes/.
+    out = _run(["-c", IMPORT_BOTH], regular_install, ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == [str(ROOT / "passes" / "__init__.py"), str(ROOT / "fp8_moe_ops" / "__init__.py")]
+    demo = _run(["-m", "fp8_moe_ops", "demo", "--layers", "2", "--experts", "4", "--hidden", "128", "--inter", "64",
+                 "--tokens", "8"], regular_install, ROOT)
+    assert demo.returncode == 0, demo.stdout[-3000:] + demo.stderr[-3000:]
+    assert demo.stdout.rstrip().endswith("all checks passed")
+
+
+def test_editable_install_imports_passes_from_the_repository_root():
+    # This environment's install is editable: from the root, fp8_moe_ops.passes is the
+    # top-level passes/ folder.
+    out = subprocess.run([sys.executable, "-c", IMPORT_BOTH], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert out.stdout.split()[0] == str(ROOT / "passes" / "__init__.py")
