@@ -1,6 +1,6 @@
 """Pure-torch numerical reference for every ``fp8_moe`` op.
 
-This module is the definition of the numerics (DESIGN.md, "Numeric conventions"):
+This module is the definition of the numerics (docs/ops.md, "Numerics"):
 the CPU implementations of the ops call it, the Triton kernels are tested against
 it, and the benchmarks use it as ground truth.  It imports nothing else of the
 package, takes plain tensors and does no argument checking (``ops.py`` checks).

@@ -83,7 +83,7 @@ def experts_float64(hidden, top_k_index, top_k_weights, gate_up_proj, gate_up_sc
                     block_size, activation="silu", gate_up_act_scale=None, down_act_scale=None, swiglu_limit=None):
     """The whole expert forward in float64 on the dequantised weights, one token and
     slot at a time, with the activation quantisation and the intermediate roundings of
-    DESIGN.md but float64 products and sums: the accuracy yardstick."""
+    docs/ops.md but float64 products and sums: the accuracy yardstick."""
     T, k = top_k_index.shape
     E = gate_up_proj.shape[0]
     bk = block_size[1]

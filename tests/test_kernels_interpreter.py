@@ -8,7 +8,7 @@ tests are skipped in that process and :func:`test_in_fresh_interpreter_process`
 runs this file in a fresh process instead, so the suite checks the kernels either
 way.  Tiny shapes and small blocks ([16, 16], [32, 32]) keep the interpreter fast.
 
-Interpreter caveats (NOTES.md): its float32 -> e4m3 cast is wrong (126.24 -> 64,
+Interpreter caveats (docs/notes.md): its float32 -> e4m3 cast is wrong (126.24 -> 64,
 ties away from zero, subnormals -> 0) and its float32 -> bf16 cast truncates.  The
 kernels never rely on either: they round in float32 / integer arithmetic
 (``round_to_e4m3``, ``round_to``) and only cast exact values, the same code on the

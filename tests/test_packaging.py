@@ -1,4 +1,4 @@
-"""Packaging and the layout's import directions (DESIGN.md, "Layout")."""
+"""Packaging and the layout's import directions (README.md, "Layout")."""
 
 import ast
 import os

@@ -8,7 +8,7 @@ The numerics are :func:`fp8_moe_ops.reference.quantize_act_dynamic` /
   (round to nearest even on the e4m3 grid, sign kept), and only the already exact
   value is cast.  The GPU's own cast would round the same way, but the Triton
   interpreter's does not (it rounds 126.24 to 64, ties away from zero, subnormals to
-  0: NOTES.md), and one code path for both lets the CPU tests check the bytes
+  0: docs/notes.md), and one code path for both lets the CPU tests check the bytes
   bitwise against torch.  :func:`round_to` does the same for float32 -> bfloat16,
   which the interpreter truncates.
 
