@@ -42,8 +42,10 @@ def gated_activation(h: torch.Tensor, activation: str, swiglu_limit: float | Non
     fn = _ACT_FNS.get(activation)
     if fn is None:
         raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {activation!r}")
-    half = h.shape[-1] // 2
-    gate, up = h[..., :half].float(), h[..., half:].float()
+    # chunk the float32 copy (not float32 copies of the halves): on CPU, vectorised
+    # exp/erf give a result whose last bit depends on the memory layout, and the CPU
+    # implementation of the ops computes on views of one float32 tensor
+    gate, up = h.float().chunk(2, dim=-1)
     if swiglu_limit is not None:
         gate = gate.clamp(max=swiglu_limit)
         up = up.clamp(min=-swiglu_limit, max=swiglu_limit)

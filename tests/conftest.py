@@ -1,1 +1,33 @@
-import sys, os; sys.path.insert(0, os.path.dirname(__file__))
+"""Session-wide test set-up, in one place.
+
+* ``tests/`` on ``sys.path`` for the shared ``helpers``.
+* Without a GPU, the Triton kernels are tested under the interpreter: the variable is
+  set here, before any test module imports Triton (``triton.jit`` reads it when a
+  kernel is decorated), so it holds for the whole session whatever the test order.
+  With a GPU it stays unset (compiled kernels) and the interpreter tests run in a
+  child process (``tests/test_kernels_interpreter.py``).
+* Every test starts from the same global RNG state, so no test depends on the tests
+  before it; the builders in ``helpers`` take their own seeded generators anyway.
+  Hypothesis draws its examples from a fixed seed too (``derandomize``): a run is
+  reproducible, never flaky.
+"""
+
+import os
+import sys
+
+import pytest
+import torch
+from hypothesis import settings
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+settings.register_profile("fp8_moe_ops", derandomize=True, database=None)
+settings.load_profile("fp8_moe_ops")
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(autouse=True)
+def _seeded():
+    torch.manual_seed(0)

@@ -43,20 +43,28 @@ def make_expert_weights(E, N, K, block_size, scale_dtype=torch.float32, per_tens
 def make_routing(T, k, E, kind="uniform", gen=None):
     """top_k_index (T, k) int64 and top_k_weights (T, k) float32.
 
-    kinds: uniform (distinct experts per token), one (all tokens on expert 0),
-    skip0 (expert 0 gets no token), sentinel (some ids outside [0, E): -1 and E+3)."""
+    kinds (each an adversarial case of the ops):
+      uniform:  distinct experts per token, uniform scores;
+      one:      every slot on the last expert (E - 1), both slots of a token included;
+      empty:    expert 0 (and expert E // 2 when E >= 3) gets no token;
+      sentinel: expert-parallel ids outside [0, E) on both sides (-1, E, E + 3), and
+                token 0 with no valid expert at all (its output must be exactly 0).
+    With k > E the extra slots are sentinels (remote experts)."""
     if kind == "one":
-        idx = torch.zeros(T, k, dtype=torch.long)
+        idx = torch.full((T, k), E - 1, dtype=torch.long)
     else:
         scores = torch.rand(T, E, generator=gen)
-        if kind == "skip0":
+        if kind == "empty":
             scores[:, 0] = -1
+            if E >= 3:
+                scores[:, E // 2] = -1
         idx = torch.topk(scores, min(k, E), dim=1).indices
-        if k > E:  # expert parallelism: the extra slots are remote experts (sentinels)
+        if k > E:
             idx = torch.cat([idx, torch.full((T, k - E), E + 1)], dim=1)
         if kind == "sentinel" and T:
             idx[::2, 0] = -1
             idx[1::3, -1] = E + 3
+            idx[0, :] = E
     weights = torch.rand(T, k, generator=gen)
     return idx, weights
 

@@ -2,10 +2,10 @@
 
 ``triton.jit`` decides at decoration time whether a function is interpreted, Triton's
 own ``tl.sum`` / ``tl.cdiv`` / ... included (decorated when ``triton`` is imported).
-So the variable is set before anything imports Triton.  When another test module
-imported Triton first (compiled mode, e.g. through ``torch.compile``), this module's
-tests are skipped in that process and :func:`test_in_fresh_interpreter_process`
-runs this file in a fresh process instead, so the suite checks the kernels either
+``conftest.py`` sets the variable for the session on a machine without a GPU, before
+any test imports Triton.  On a GPU machine Triton runs compiled: this module's tests
+are skipped in that process and :func:`test_in_fresh_interpreter_process` runs this
+file in a fresh process with the variable set, so the suite checks the kernels either
 way.  Tiny shapes and small blocks ([16, 16], [32, 32]) keep the interpreter fast.
 
 Interpreter caveats (docs/notes.md): its float32 -> e4m3 cast is wrong (126.24 -> 64,
@@ -14,8 +14,7 @@ kernels never rely on either: they round in float32 / integer arithmetic
 (``round_to_e4m3``, ``round_to``) and only cast exact values, the same code on the
 GPU.  So the quantised bytes are compared *bitwise* with torch here, and the GEMM
 outputs differ from the reference only by float32 summation order (at most one ulp
-of the output dtype after rounding).  ``bench/check_gpu.py`` repeats these checks on
-the H200.
+of the output dtype after rounding).  The ``gpu`` tests repeat these checks on a GPU.
 """
 
 from __future__ import annotations
@@ -24,19 +23,18 @@ import os
 import subprocess
 import sys
 
-if "triton" not in sys.modules:
-    os.environ["TRITON_INTERPRET"] = "1"
+import pytest
+import torch
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import triton.language as tl  # noqa: E402
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+from helpers import make_expert_weights, make_routing, rel_err
 
 INTERPRETED = isinstance(tl.cdiv, InterpretedFunction)
 if INTERPRETED:
     import triton
 
-    from fp8_moe_ops import kernels, reference, routing
+    from fp8_moe_ops import kernels, reference
     from fp8_moe_ops.kernels import moe
     from fp8_moe_ops.kernels.grouped_gemm import _grouped_gemm_kernel
     from fp8_moe_ops.kernels.quant import expert_of_rows
@@ -53,7 +51,7 @@ else:
 @pytest.fixture(autouse=True)
 def _interpreted_only(request):
     if not INTERPRETED and request.node.name != "test_in_fresh_interpreter_process":
-        pytest.skip("Triton was imported in compiled mode by an earlier test module; "
+        pytest.skip("Triton runs compiled in this process (a GPU machine); "
                     "test_in_fresh_interpreter_process runs this file in a new process")
 
 
@@ -79,25 +77,8 @@ def test_kernels_are_interpreted():
 # --------------------------------------------------------------------------- builders
 
 
-def _weights(gen, E, N, K, block, scale_dtype=torch.float32, per_tensor=False, std=0.1):
-    """(E, N, K) e4m3 and its scale grid, or one scale per matrix ((E, 1, 1))."""
-    w = torch.randn(E, N, K, generator=gen) * std
-    return reference.quantize_weight_blockwise(w, w.shape[-2:] if per_tensor else block, scale_dtype)
-
-
-def _routing(gen, T, k, E, kind):
-    if kind == "one":  # all tokens on one expert
-        idx = torch.full((T, k), E - 1, dtype=torch.long)
-    else:
-        scores = torch.rand(T, E, generator=gen)
-        if kind == "empty":  # expert 1 gets no token
-            scores[:, 1] = -1
-        idx = torch.topk(scores, min(k, E), dim=1).indices
-        if kind == "sentinel" and T:
-            idx[::2, 0] = -1  # expert-parallel sentinels, below and above [0, E)
-            idx[1::3, -1] = E + 3
-            idx[0, :] = E  # a token with no local expert at all: exactly zero
-    return idx, torch.rand(T, k, generator=gen)
+def _weights(gen, E, N, K, block, scale_dtype=torch.float32, per_tensor=False):
+    return make_expert_weights(E, N, K, block, scale_dtype, per_tensor, gen=gen)
 
 
 def _ulp_close(out, ref):
@@ -106,12 +87,6 @@ def _ulp_close(out, ref):
     eps = torch.finfo(out.dtype).eps
     scale = ref.float().abs().max().item() if ref.numel() else 0.0
     torch.testing.assert_close(out.float(), ref.float(), rtol=eps, atol=1e-5 * scale + 1e-30)
-
-
-def _rel(out, ref):
-    out, ref = out.double(), ref.double()
-    n = ref.norm().item()
-    return (out - ref).norm().item() / n if n else (out - ref).norm().item()
 
 
 # --------------------------------------------------------------------------- quantisation
@@ -269,8 +244,8 @@ _EXPERT_CASES = {
     # name: (T, E, H, I, k, block, routing)
     "T1": (1, 4, 48, 32, 2, [16, 16], "uniform"),
     "T_lt_block_prime_E": (5, 7, 40, 24, 3, [16, 16], "uniform"),  # H, I not multiples of 16
-    "empty_expert": (9, 4, 48, 40, 2, [16, 16], "empty"),
-    "one_expert": (11, 3, 32, 16, 2, [16, 16], "one"),  # all tokens on one expert
+    "empty_expert": (9, 4, 48, 40, 2, [16, 16], "empty"),  # experts 0 and 2 get no token
+    "one_expert": (11, 3, 32, 16, 2, [16, 16], "one"),  # all tokens on the last expert
     "sentinels": (12, 5, 48, 24, 3, [16, 16], "sentinel"),
     "block32": (6, 3, 96, 48, 2, [32, 32], "uniform"),  # I = 48: a tail group of 16
 }
@@ -281,7 +256,7 @@ def _experts_args(case, dtype, scale_dtype, static, per_tensor=False, seed=0):
     gen = torch.Generator().manual_seed(seed)
     gu, gus = _weights(gen, E, 2 * I, H, block, scale_dtype, per_tensor)
     dp, dps = _weights(gen, E, H, I, block, scale_dtype, per_tensor)
-    idx, wts = _routing(gen, T, k, E, kind)
+    idx, wts = make_routing(T, k, E, kind, gen=gen)
     args = [torch.randn(T, H, generator=gen).to(dtype), idx, wts, gu, gus, dp, dps, block]
     kw = {}
     if static:  # plausible calibrated scales, small enough that some values saturate
@@ -298,7 +273,7 @@ def _check_experts(args, kw):
     # A one-ulp difference in h (summation order) can move one element of the
     # re-quantised activation by one e4m3 step (6%): a relative bound, not bitwise.
     # Indexing or scaling bugs give errors of order 1.
-    assert _rel(out, ref) < 1e-2
+    assert rel_err(out, ref) < 1e-2
     idx = args[1]
     E = args[3].shape[0]
     none = ((idx < 0) | (idx >= E)).all(dim=1)
@@ -343,16 +318,11 @@ def test_experts_empty_tokens():
     assert out.shape == (0, args[0].shape[1])
 
 
-def test_experts_deterministic():
-    args, kw = _experts_args("sentinels", torch.bfloat16, torch.float32, static=False, seed=11)
-    assert torch.equal(kernels.grouped_experts(*args, **kw), kernels.grouped_experts(*args, **kw))
-
-
 def test_sort_slots_layout():
     # perm: sorted position -> slot, stable; offsets: inclusive cumsum, sentinels excluded
     idx = torch.tensor([[2, -1], [0, 2], [5, 0]])
-    perm, offsets = routing.sort_slots(idx, 3)
-    assert perm.tolist() == [2, 5, 0, 3, 1, 4]
+    perm, offsets = moe._sort_slots(idx, 3)
+    assert perm.tolist() == [2, 5, 0, 3, 1, 4]  # one launch (S <= 2048)
     assert offsets.tolist() == [2, 2, 4]
 
 
@@ -370,7 +340,8 @@ def test_sort_slots_layout():
     (2049, 4, "random"),    # torch path
 ])
 def test_sort_kernel_matches_torch_sort(S, E, kind):
-    # the one-launch sort (S <= 2048) must give the torch path's permutation and offsets
+    # the one-launch sort (S <= 2048) and the torch path beyond both give the
+    # reference's stable permutation and offsets
     gen = torch.Generator().manual_seed(S)
     ids = torch.randint(-2, E + 2, (S,), generator=gen)  # incl. sentinels on both sides
     if kind == "one":
@@ -378,7 +349,7 @@ def test_sort_kernel_matches_torch_sort(S, E, kind):
     elif kind == "sentinel":
         ids = torch.where(ids < E // 2, -1, E)
     perm, offsets = moe._sort_slots(ids, E)
-    rperm, roffsets = routing.sort_slots(ids, E)
+    rperm, roffsets = reference.sort_by_expert(ids.reshape(-1, 1), E)
     assert torch.equal(perm.long(), rperm) and torch.equal(offsets, roffsets)
 
 

@@ -4,9 +4,8 @@ Python, no GPU."""
 from __future__ import annotations
 
 import pytest
-import triton
 
-from fp8_moe_ops.kernels.config import _table, block_k, gemm_config
+from fp8_moe_ops.kernels.config import block_k, gemm_config
 
 MODELS = {  # name: (E, H, I, top_k): the benchmark models of bench/
     "deepseek_v3": (256, 7168, 2048, 8),
@@ -15,29 +14,32 @@ MODELS = {  # name: (E, H, I, top_k): the benchmark models of bench/
 }
 
 
-def _programs(S, E, N, cfg):
-    return min(E, S) * triton.cdiv(N, cfg["BN"])
+# (model, T) -> (BM, BN) of the gate_up and of the down GEMM: the shipped table's
+# choices, frozen.  Decode (T <= 8) narrows N tiles so that enough (expert, N tile)
+# programs fill the H200's 132 SMs; prefill takes the tuned tiles.  A table change
+# updates these deliberately (and re-runs the GPU tests).
+EXPECTED = {
+    ("deepseek_v3", 1): [(16, 64), (16, 128)],
+    ("deepseek_v3", 8): [(16, 128), (16, 128)],
+    ("deepseek_v3", 64): [(16, 128), (16, 128)],
+    ("deepseek_v3", 4096): [(64, 128), (64, 128)],
+    ("qwen3_30b_a3b", 1): [(16, 32), (16, 32)],
+    ("qwen3_30b_a3b", 8): [(16, 128), (16, 128)],
+    ("qwen3_30b_a3b", 64): [(16, 128), (16, 128)],
+    ("qwen3_30b_a3b", 4096): [(64, 128), (64, 128)],
+    ("mixtral_8x7b", 1): [(16, 128), (16, 32)],
+    ("mixtral_8x7b", 8): [(16, 128), (16, 64)],
+    ("mixtral_8x7b", 64): [(64, 128), (64, 128)],
+    ("mixtral_8x7b", 4096): [(128, 128), (128, 128)],
+}
 
 
-@pytest.mark.parametrize("model", list(MODELS))
-@pytest.mark.parametrize("T", [1, 2, 8, 64, 4096])
-def test_decode_tiles_spread_over_the_sms(model, T):
-    # each GEMM of the layer gets at least min_programs (expert, N tile) programs,
-    # or its BN is already at the floor of 32
+@pytest.mark.parametrize("model,T", list(EXPECTED))
+def test_shipped_configs(model, T):
     E, H, I, k = MODELS[model]
-    S = T * k
-    for N, K in ((2 * I, H), (H, I)):
-        cfg = gemm_config(S, E, N, K)
-        entries = _table()["shapes"].get(f"{N},{K}", _table()["default"])
-        rows = S / min(E, S)
-        entry = next(e for e in entries if e["max_rows"] is None or rows <= e["max_rows"])
-        assert cfg["BN"] <= entry["BN"] and cfg["BM"] == max(16, min(entry["BM"], triton.next_power_of_2(S)))
-        if "min_programs" in entry:
-            assert cfg["BN"] == 32 or _programs(S, E, N, cfg) >= entry["min_programs"]
-            if cfg["BN"] < entry["BN"]:  # narrowed no further than needed
-                assert _programs(S, E, N, dict(BN=2 * cfg["BN"])) < entry["min_programs"]
-        else:
-            assert cfg["BN"] == entry["BN"]
+    got = [gemm_config(T * k, E, N, K) for N, K in ((2 * I, H), (H, I))]
+    assert [(c["BM"], c["BN"]) for c in got] == EXPECTED[model, T]
+    assert all(c["num_warps"] in (4, 8) and c["num_stages"] >= 2 for c in got)
 
 
 def test_qwen_decode_narrows_both_gemms():

@@ -87,10 +87,12 @@ def test_grouped_and_batched_mm(counts, S, static):
             assert rel_err(out[start:end], ref) < REL_BOUND[x.dtype]
         start = end
     assert torch.equal(out[start:], torch.zeros_like(out[start:]))
-    # batched with the same rows in a shuffled order gives the same rows, bitwise
-    perm = torch.randperm(S)
+    # batched with the same rows in a shuffled order gives the same rows, up to the
+    # last bit: the CPU GEMM's result for a row can depend on its position in the
+    # matrix (vectorised body or scalar tail), and the shuffle moves rows
+    perm = torch.randperm(S, generator=torch.Generator().manual_seed(S))
     outb = OPS.batched_mm(x[perm], w, ws, ids[perm], block, act)
-    assert torch.equal(outb, out[perm])
+    assert_agree(outb, out[perm])
 
 
 def test_batched_mm_negative_sentinel_rows_are_zero():
@@ -105,8 +107,8 @@ EXPERT_CASES = [
     (1, 4, 128, 64, 2, [128, 128], "uniform"),       # T = 1 (decode)
     (0, 4, 64, 32, 2, [32, 32], "uniform"),          # T = 0
     (5, 7, 200, 72, 2, [128, 128], "uniform"),       # prime E, T < block, H and I not multiples of 128
-    (9, 5, 96, 48, 1, [32, 32], "skip0"),            # top_k = 1, an expert with no tokens
-    (6, 3, 64, 40, 2, [32, 32], "one"),              # all tokens on one expert (both slots)
+    (9, 5, 96, 48, 1, [32, 32], "empty"),            # top_k = 1, experts with no tokens (the first one too)
+    (6, 3, 64, 40, 2, [32, 32], "one"),              # all tokens on the last expert (both slots)
     (8, 11, 64, 32, 8, [32, 32], "sentinel"),        # top_k = 8, prime E, sentinel ids -1 and E + 3
     (4, 3, 64, 32, 5, [16, 32], "uniform"),          # top_k > E: expert parallelism, extra slots remote
 ]
@@ -155,11 +157,14 @@ def test_gelu_and_gelu_tanh_differ():
     assert not torch.equal(a, b)
 
 
-def test_swiglu_limit_clamps():
+@pytest.mark.parametrize("limit", [0.05, 0.3])  # clamps most / some of gate and up
+def test_swiglu_limit_clamps_gate_above_and_up_both_sides(limit):
     args = make_experts_inputs(8, 4, 64, 32, 2, [32, 32], dtype=torch.float32)
-    free = OPS.grouped_experts(**args)
-    tight = OPS.grouped_experts(**args, swiglu_limit=1e-3)
-    assert tight.abs().max() < free.abs().max()
+    out = OPS.grouped_experts(**args, swiglu_limit=limit)
+    # the oracle clamps gate to max=limit and up to [-limit, limit]; any other clamp
+    # (gate both sides, up one side, none) is off by far more than the bound
+    assert rel_err(out, experts_float64(**args, swiglu_limit=limit)) < REL_BOUND[torch.float32]
+    assert rel_err(out, OPS.grouped_experts(**args)) > 0.1
 
 
 def test_zero_hidden_rows_and_nan_isolation():
@@ -170,11 +175,6 @@ def test_zero_hidden_rows_and_nan_isolation():
     assert torch.equal(out[0], torch.zeros_like(out[0]))
     assert torch.isnan(out[3]).any()
     assert not torch.isnan(out[[0, 1, 2, 4, 5]]).any()
-
-
-def test_deterministic():
-    args = make_experts_inputs(33, 5, 96, 48, 4, [32, 32])
-    assert torch.equal(OPS.grouped_experts(**args), OPS.grouped_experts(**args))
 
 
 def _opcheck(op, args, kwargs=None):

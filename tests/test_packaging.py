@@ -47,6 +47,21 @@ def test_kernels_and_reference_import_no_modules_integrations_or_pass(path):
     assert not [m for m in imported if m.startswith(bad)], imported
 
 
+# The reference is the numerics oracle and the CPU implementation of the ops, nothing
+# else: only the op registrations and the weight-quantisation helpers may run it, so a
+# kernel-vs-reference test compares two independent implementations and an edit made
+# for testing cannot change production.
+REFERENCE_USERS = ("fp8_moe_ops/ops.py", "fp8_moe_ops/quantization.py", "fp8_moe_ops/calibration.py")
+
+
+@pytest.mark.parametrize("path", _files("fp8_moe_ops", "passes"), ids=str)
+def test_only_the_op_registrations_and_quantisation_import_the_reference(path):
+    if str(path.relative_to(ROOT)) in REFERENCE_USERS + ("fp8_moe_ops/reference.py",):
+        return
+    imported = _imported_modules(path)
+    assert "fp8_moe_ops.reference" not in imported, imported
+
+
 def test_reference_imports_nothing_of_the_package():
     assert not [m for m in _imported_modules(PKG / "reference.py") if m.startswith("fp8_moe_ops")]
 

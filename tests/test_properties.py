@@ -21,8 +21,8 @@ def moe_inputs(draw):
     bk = draw(st.sampled_from([16, 32]))
     H = draw(st.integers(1, 5)) * 8 + draw(st.sampled_from([0, 3]))   # often not a block multiple
     I = draw(st.integers(1, 4)) * 8 + draw(st.sampled_from([0, 5]))
-    routing = draw(st.sampled_from(["uniform", "one", "skip0", "sentinel"]))
-    if routing == "skip0" and E == 1:
+    routing = draw(st.sampled_from(["uniform", "one", "empty", "sentinel"]))
+    if routing == "empty" and E == 1:
         routing = "uniform"
     return dict(
         T=T, E=E, H=H, I=I, k=k, block_size=[bn, bk],

@@ -1,0 +1,1 @@
+from .reference import cdiv
