@@ -352,7 +352,7 @@ def _fmt(v: Any, spec: str = ".3f") -> str:
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return "—"
     if isinstance(v, float):
-        return format(v, spec) if abs(v) < 1e6 else format(v, ".3g")
+        return format(v, spec) if v == 0 or 1e-3 <= abs(v) < 1e6 else format(v, ".3g")
     return str(v)
 
 

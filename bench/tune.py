@@ -11,7 +11,7 @@ GEMMs different tiles, e.g. a narrower ``BN`` at decode).  A candidate that does
 compile or run (e.g. out of shared memory) is a failed case: the sweep goes on and
 exits 1.  The winners per bucket of rows per expert go into
 ``fp8_moe_ops/kernels/configs/h200.json`` by hand (see docs/benchmarks.md).
-Writes ``OUT/tune.json`` / ``.md``.
+Writes ``OUT/<--name>.json`` / ``.md`` (default ``tune``).
 """
 
 from __future__ import annotations
@@ -51,11 +51,12 @@ def main() -> int:
     p.add_argument("--out-dir", required=True)
     p.add_argument("--models", default=None, help="model:T,T;model:T (default: the whole SWEEP)")
     p.add_argument("--candidates", default=None, help="BM,BN,warps,stages;... (default: CANDIDATES)")
+    p.add_argument("--name", default="tune", help="output files OUT/<name>.json and .md")
     args = p.parse_args()
     sweep = parse_sweep(args.models) if args.models else SWEEP
     candidates = ([tuple(int(v) for v in c.split(",")) for c in args.candidates.split(";")]
                   if args.candidates else CANDIDATES)
-    runner = Runner("tune", args.out_dir)
+    runner = Runner(args.name, args.out_dir)
     gen = torch.Generator(device="cuda").manual_seed(1)
     for name, tokens in sweep.items():
         model = MODELS[name]
