@@ -27,10 +27,10 @@ import time
 import torch
 import torch.nn.functional as F
 
-import fp8_moe_ops
-from common import (BLOCK, MODELS, ROUTINGS, TOKENS, ExperimentConfig, Runner, dequant_bf16, floor_ms, graph_ms,
-                    layer_flops, layer_inputs, layer_weights, log, make_weights, markdown_table, plot_lines,
-                    read_json, static_scales, time_ms, weight_bytes)
+import fp8_moe_ops  # noqa: F401  (registers torch.ops.fp8_moe)
+from common import (BLOCK, MODELS, ROUTINGS, TOKENS, ExperimentConfig, Runner, dequant_bf16, experts_module,
+                    floor_ms, graph_ms, layer_flops, layer_inputs, layer_weights, log, make_weights, markdown_table,
+                    plot_lines, read_json, static_scales, time_ms, weight_bytes)
 from fp8_moe_ops.routing import sort_slots
 
 OPS = torch.ops.fp8_moe
@@ -98,9 +98,7 @@ def run_model(runner: Runner, model, tokens, gen, eager_max_t: int, skip: set[st
     gu16, dp16 = ((dequant_bf16(w.gate_up, w.gate_up_scale), dequant_bf16(w.down, w.down_scale))
                   if "bf16" not in skip else (None, None))
     gu_rs, dp_rs = rowwise_scales(w.gate_up, w.gate_up_scale), rowwise_scales(w.down, w.down_scale)
-    eager_mod = fp8_moe_ops.FP8Experts(model.E, model.H, model.I, BLOCK, dispatch="eager", device="cuda")
-    eager_mod.gate_up_proj.data, eager_mod.gate_up_proj_scale_inv.data = w.gate_up, w.gate_up_scale
-    eager_mod.down_proj.data, eager_mod.down_proj_scale_inv.data = w.down, w.down_scale
+    eager_mod = experts_module(model, w, dispatch="eager")
     torch.cuda.synchronize()
     log(f"{model.name}: weights ready in {time.time() - t0:.1f} s")
     for T in tokens:
@@ -175,7 +173,8 @@ def _layer_rows(results, model_name):
             continue
         row = rows.setdefault((c.tokens, c.routing), {"T": c.tokens, "routing": c.routing})
         for key in ("floor_ms", "flops", "weight_bytes"):
-            row.setdefault(key, r.metrics.get(key))
+            if row.get(key) is None:  # a failed case has no metrics: take them from another
+                row[key] = r.metrics.get(key)
         row[c.variant] = "err" if r.error else r.metrics.get("ms")
         row[c.variant + "_graph"] = r.metrics.get("graph_ms")
         if c.variant == "ours_dynamic":

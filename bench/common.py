@@ -123,6 +123,16 @@ def layer_inputs(model: Model, T: int, gen: torch.Generator, kind: str = "unifor
     return (x, *make_routing(T, model.E, model.top_k, kind, gen, device))
 
 
+def experts_module(model: Model, weights: LayerWeights, dispatch: str):
+    """``fp8_moe_ops.FP8Experts`` (dynamic scheme) holding ``weights`` (no copy)."""
+    import fp8_moe_ops
+
+    experts = fp8_moe_ops.FP8Experts(model.E, model.H, model.I, BLOCK, dispatch=dispatch, device="meta")
+    for name, t in zip(("gate_up_proj", "gate_up_proj_scale_inv", "down_proj", "down_proj_scale_inv"), weights):
+        setattr(experts, name, torch.nn.Parameter(t, requires_grad=False))
+    return experts
+
+
 def dequant_bf16(w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     """bf16 copy of block-quantised weights (E, N, K), one expert at a time."""
     out = torch.empty(w.shape, dtype=torch.bfloat16, device=w.device)

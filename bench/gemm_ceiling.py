@@ -74,7 +74,8 @@ def _blockwise_calls(a, sa, b_nk, sb_grid):
 def _dequant_reference(a, sa, b_nk, sb_grid, rows: int) -> torch.Tensor:
     """float32 (rows, N) product of the dequantised operands (the first ``rows`` of A)."""
     a32 = a[:rows].float() * sa[:rows].repeat_interleave(128, 1)[:, : a.shape[1]]
-    b32 = b_nk.float() * sb_grid.repeat_interleave(128, 0)[: b_nk.shape[0]].repeat_interleave(128, 1)[:, : b_nk.shape[1]]
+    N, K = b_nk.shape
+    b32 = b_nk.float() * sb_grid.repeat_interleave(128, 0)[:N].repeat_interleave(128, 1)[:, :K]
     return a32 @ b32.t()
 
 
@@ -173,7 +174,8 @@ def table(runner: Runner) -> str:
         row["errors"] = "; ".join(f"{k[:-6]}: {v}" for k, v in row.items() if k.endswith("_error")) or None
     return markdown_table(list(rows.values()), [
         ("model", "model", ""), ("T", "tokens", ""), ("GEMM", "proj", ""), ("M", "M", ""), ("N", "N", ""),
-        ("K", "K", ""), ("rows/expert", "rows_per_expert", ""), ("dense block-scaled TFLOP/s", "dense_blockwise", ".0f"),
+        ("K", "K", ""), ("rows/expert", "rows_per_expert", ""),
+        ("dense block-scaled TFLOP/s", "dense_blockwise", ".0f"),
         ("dense tensorwise TFLOP/s", "dense_tensorwise", ".0f"), ("ours TFLOP/s (incl. act quant)", "ours", ".0f"),
         ("ours GEMM kernel TFLOP/s", "kernel", ".0f"), ("ours / dense", "ratio", ".2f"),
         ("kernel / dense", "kernel_ratio", ".2f"), ("dense call", "api", ""), ("errors", "errors", "")])

@@ -27,18 +27,14 @@ import sys
 
 import torch
 
-import fp8_moe_ops
-from common import (BLOCK, MODELS, ExperimentConfig, Runner, graph_ms, host_us_per_call, kernels_per_call,
-                    layer_inputs, layer_weights, parse_sweep, results_table)
+from common import (BLOCK, MODELS, ExperimentConfig, Runner, experts_module, graph_ms, host_us_per_call,
+                    kernels_per_call, layer_inputs, layer_weights, parse_sweep, results_table)
 from fp8_moe_ops.kernels import moe
 
 CASES = {name: [1, 8, 64] for name in MODELS}
 
 
-def entry_points(model, w, x, idx, wts) -> dict:
-    experts = fp8_moe_ops.FP8Experts(model.E, model.H, model.I, BLOCK, dispatch="grouped", device="cuda")
-    experts.gate_up_proj.data, experts.gate_up_proj_scale_inv.data = w.gate_up, w.gate_up_scale
-    experts.down_proj.data, experts.down_proj_scale_inv.data = w.down, w.down_scale
+def entry_points(experts, w, x, idx, wts) -> dict:
     return {
         "op grouped_experts": lambda: torch.ops.fp8_moe.grouped_experts(x, idx, wts, *w, BLOCK),
         "op batched_experts": lambda: torch.ops.fp8_moe.batched_experts(x, idx, wts, *w, BLOCK),
@@ -68,12 +64,13 @@ def main() -> int:
     for name, tokens in (parse_sweep(args.cases) if args.cases else CASES).items():
         model = MODELS[name]
         w = layer_weights(model, gen)
+        experts = experts_module(model, w, dispatch="grouped")
         for T in tokens:
             x, idx, wts = layer_inputs(model, T, gen)
-            for variant, fn in entry_points(model, w, x, idx, wts).items():
+            for variant, fn in entry_points(experts, w, x, idx, wts).items():
                 runner.run(ExperimentConfig("host_overhead", name, T, variant),
                            lambda: measure(fn, args.calls, graph=variant.startswith("op ")))
-        del w
+        del w, experts
         torch.cuda.empty_cache()
         runner.save(table(runner))
     return runner.exit_code()

@@ -67,7 +67,8 @@ def main() -> int:
 
 def table(runner: Runner) -> str:
     return results_table(runner.results, [("model", "model", ""), ("T", "tokens", ""), ("scheme", "variant", ""),
-                                          ("launches", "launches_per_call", ".0f"), ("sum of kernels µs", "sum_us", ".1f"),
+                                          ("launches", "launches_per_call", ".0f"),
+                                          ("sum of kernels µs", "sum_us", ".1f"),
                                           ("graph µs", "graph_us", ".1f")])
 
 

@@ -87,7 +87,8 @@ def table(runner: Runner) -> str:
             c["default_ms"] = r.metrics["graph_ms"]
         elif r.metrics["graph_ms"] < c.get("best_ms", float("inf")):
             c["best_ms"], c["best"] = r.metrics["graph_ms"], r.config.variant
-    return markdown_table(list(cases.values()), [("model", "model", ""), ("T", "T", ""), ("default ms", "default_ms", ".3f"),
+    return markdown_table(list(cases.values()), [("model", "model", ""), ("T", "T", ""),
+                                                 ("default ms", "default_ms", ".3f"),
                                                  ("best BM,BN,warps,stages", "best", ""), ("best ms", "best_ms", ".3f"),
                                                  ("failed candidates", "failed", "")])
 

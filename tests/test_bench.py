@@ -146,3 +146,13 @@ def test_results_json_is_plain_json(common, tmp_path):
     results = [common.ExperimentResult(common.ExperimentConfig("e", "m", 1, "v"), {"kernels": ["a", "b"]})]
     common.write_json(str(tmp_path / "r.json"), {"command": "x"}, results)
     assert json.loads((tmp_path / "r.json").read_text())["results"][0]["metrics"] == {"kernels": ["a", "b"]}
+
+
+def test_experts_module_holds_the_weights_without_a_copy(common):
+    tiny = common.Model("tiny", E=4, H=256, I=128, top_k=2)
+    gen = torch.Generator().manual_seed(1)
+    w = common.layer_weights(tiny, gen, device="cpu")
+    experts = common.experts_module(tiny, w, dispatch="grouped")
+    assert experts.down_proj.data_ptr() == w.down.data_ptr()
+    x, idx, wts = common.layer_inputs(tiny, 5, gen, device="cpu")
+    assert torch.equal(experts(x, idx, wts), torch.ops.fp8_moe.grouped_experts(x, idx, wts, *w, common.BLOCK))

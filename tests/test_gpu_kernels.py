@@ -252,7 +252,8 @@ def test_cuda_graph_replay_with_new_routing_equals_eager(static):
 # --------------------------------------------------------------------------- shipped launch configs
 
 # The benchmark layers (bench/common.py MODELS): E, H, I, top_k.
-LAYERS = {"deepseek_v3": (256, 7168, 2048, 8), "qwen3_30b_a3b": (128, 2048, 768, 8), "mixtral_8x7b": (8, 4096, 14336, 2)}
+LAYERS = {"deepseek_v3": (256, 7168, 2048, 8), "qwen3_30b_a3b": (128, 2048, 768, 8),
+          "mixtral_8x7b": (8, 4096, 14336, 2)}
 SMALL_CONFIG = {"BM": 16, "BN": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
 
 
