@@ -86,7 +86,8 @@ def decode_step(model, batch: int, context: int, gen, device: str = "cuda"):
     prompt = torch.randint(0, vocab, (batch, context), device=device, generator=gen)
     model(prompt, past_key_values=cache, cache_position=torch.arange(context, device=device), use_cache=True)
     step_ids = torch.randint(0, vocab, (batch, 1), device=device, generator=gen)
-    position = torch.tensor([context], device=device)
+    position = torch.tensor([context], device=device)  # where the step's token goes (older transformers)
+    position_ids = torch.full((batch, 1), context, device=device)
     # Recent caches count the tokens they hold in a device tensor per layer (each call
     # appends at that count); older ones write at ``cache_position``.  Rewinding the
     # count to ``context`` (a device op, captured with the graph) makes every call write
@@ -97,7 +98,8 @@ def decode_step(model, batch: int, context: int, gen, device: str = "cuda"):
     def step():
         for c in counters:
             c.fill_(context)
-        return model(step_ids, past_key_values=cache, cache_position=position, use_cache=True).logits
+        return model(step_ids, past_key_values=cache, cache_position=position, position_ids=position_ids,
+                     use_cache=True).logits
 
     return step
 

@@ -156,3 +156,20 @@ def test_experts_module_holds_the_weights_without_a_copy(common):
     assert experts.down_proj.data_ptr() == w.down.data_ptr()
     x, idx, wts = common.layer_inputs(tiny, 5, gen, device="cpu")
     assert torch.equal(experts(x, idx, wts), torch.ops.fp8_moe.grouped_experts(x, idx, wts, *w, common.BLOCK))
+
+
+def test_bench_model_decode_step_repeats_the_same_step(common, monkeypatch):
+    # Each call rewinds the static cache, so timing hundreds of calls measures one step
+    # at a fixed context (and never writes past the cache): equal to a full prefill's
+    # last position, call after call.
+    pytest.importorskip("transformers")
+    bench_model = _load("bench_model", monkeypatch)
+    tiny = common.Model("tiny", E=8, H=128, I=64, top_k=2)
+    with torch.no_grad():
+        model = bench_model.build_model(2, 64, tiny, heads=(4, 2, 32), device="cpu").float()
+        step = bench_model.decode_step(model, 2, 16, torch.Generator().manual_seed(5), device="cpu")
+        gen = torch.Generator().manual_seed(5)  # the same draws as decode_step's: prompt, then the step's tokens
+        prompt, ids = torch.randint(0, 64, (2, 16), generator=gen), torch.randint(0, 64, (2, 1), generator=gen)
+        full = model(torch.cat([prompt, ids], 1), use_cache=False).logits[:, -1:]
+        for _ in range(3):
+            assert torch.allclose(step(), full, atol=1e-5)
