@@ -352,6 +352,9 @@ def read_json(path: str) -> tuple[dict[str, Any], list[ExperimentResult]]:
         data = json.load(f)
     results = []
     for r in data["results"]:
+        if "config" not in r:
+            raise ValueError(f"{path}: expected results written by bench/common.py (each with a 'config'), got "
+                             f"keys {sorted(r)} (a file from before the typed results)")
         cfg = dict(r["config"])
         cfg["params"] = tuple(tuple(p) for p in cfg.get("params", ()))
         results.append(ExperimentResult(ExperimentConfig(**cfg), r["metrics"], r["error"]))

@@ -28,7 +28,7 @@ import sys
 import torch
 
 from common import (BLOCK, MODELS, ExperimentConfig, Runner, experts_module, graph_ms, host_us_per_call,
-                    kernels_per_call, layer_inputs, layer_weights, parse_sweep, results_table)
+                    kernels_per_call, layer_inputs, layer_weights, markdown_table, parse_sweep)
 from fp8_moe_ops.kernels import moe
 
 CASES = {name: [1, 8, 64] for name in MODELS}
@@ -77,9 +77,19 @@ def main() -> int:
 
 
 def table(runner: Runner) -> str:
-    return results_table(runner.results, [("model", "model", ""), ("T", "tokens", ""), ("entry point", "variant", ""),
-                                          ("CPU µs / call", "cpu_us", ".1f"), ("wall µs / call", "wall_us", ".1f"),
-                                          ("launches / call", "launches", ".1f"), ("graph ms", "graph_ms", ".4f")])
+    """One row per case; ``vs op µs``: the CPU time beyond the op's at the same (model, T)."""
+    op = {(r.config.model, r.config.tokens): r.metrics["cpu_us"] for r in runner.results
+          if r.ok and r.config.variant == "op grouped_experts"}
+    rows = []
+    for r in runner.results:
+        row = r.flat()
+        base = op.get((r.config.model, r.config.tokens))
+        row["vs_op_us"] = row["cpu_us"] - base if r.ok and base is not None else None
+        rows.append(row)
+    columns = [("model", "model", ""), ("T", "tokens", ""), ("entry point", "variant", ""),
+               ("CPU µs / call", "cpu_us", ".1f"), ("vs op µs", "vs_op_us", "+.1f"), ("wall µs / call", "wall_us", ".1f"),
+               ("launches / call", "launches", ".1f"), ("graph ms", "graph_ms", ".4f"), ("error", "error", "")]
+    return markdown_table(rows, columns)
 
 
 if __name__ == "__main__":

@@ -173,3 +173,18 @@ def test_bench_model_decode_step_repeats_the_same_step(common, monkeypatch):
         full = model(torch.cat([prompt, ids], 1), use_cache=False).logits[:, -1:]
         for _ in range(3):
             assert torch.allclose(step(), full, atol=1e-5)
+
+
+def test_host_overhead_table_shows_the_cost_beyond_the_op(common, monkeypatch):
+    overhead = _load("host_overhead", monkeypatch)
+    runner = common.Runner("host_overhead")
+    for variant, us in (("op grouped_experts", 40.0), ("FP8Experts.forward", 52.5)):
+        runner.run(common.ExperimentConfig("host_overhead", "qwen3_30b_a3b", 1, variant),
+                   lambda us=us: {"cpu_us": us, "wall_us": 90.0, "launches": 6.0})
+    assert "| qwen3_30b_a3b | 1 | FP8Experts.forward | 52.5 | +12.5 | 90.0 | 6.0 |" in overhead.table(runner)
+
+
+def test_read_json_refuses_untyped_results(common, tmp_path):
+    (tmp_path / "old.json").write_text(json.dumps({"meta": {}, "results": [{"model": "m", "T": 1}]}))
+    with pytest.raises(ValueError, match="typed results"):
+        common.read_json(str(tmp_path / "old.json"))
