@@ -79,12 +79,21 @@ def static_cache(model, max_len: int, device: str = "cuda"):
                            dtype=torch.bfloat16)
 
 
+def cache_kwarg(model) -> str:
+    """The name under which the model's forward takes the KV cache (``cache`` from
+    transformers 5.2x, ``past_key_values`` before)."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 def decode_step(model, batch: int, context: int, gen, device: str = "cuda"):
     """A decode step of ``batch`` sequences after ``context`` prompt tokens, as a closure."""
     vocab = model.config.vocab_size
     cache = static_cache(model, context + 8, device)
     prompt = torch.randint(0, vocab, (batch, context), device=device, generator=gen)
-    model(prompt, past_key_values=cache, cache_position=torch.arange(context, device=device), use_cache=True)
+    kw = cache_kwarg(model)
+    model(prompt, **{kw: cache}, cache_position=torch.arange(context, device=device), use_cache=True)
     step_ids = torch.randint(0, vocab, (batch, 1), device=device, generator=gen)
     position = torch.tensor([context], device=device)  # where the step's token goes (older transformers)
     position_ids = torch.full((batch, 1), context, device=device)
@@ -98,7 +107,7 @@ def decode_step(model, batch: int, context: int, gen, device: str = "cuda"):
     def step():
         for c in counters:
             c.fill_(context)
-        return model(step_ids, past_key_values=cache, cache_position=position, position_ids=position_ids,
+        return model(step_ids, **{kw: cache}, cache_position=position, position_ids=position_ids,
                      use_cache=True).logits
 
     return step
