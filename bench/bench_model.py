@@ -67,7 +67,7 @@ def _timings(fn, timing: str) -> dict:
     return {"ms": time_ms(capture_graph(fn).replay, rep_ms=100, warmup_ms=25)}
 
 
-def static_cache(model, max_len: int, device: str = "cuda"):
+def static_cache(model, max_len: int, batch: int, device: str = "cuda"):
     """A transformers ``StaticCache`` (its constructor changed across 5.x: config +
     max_cache_len, earlier also batch size, device and dtype)."""
     from transformers import StaticCache
@@ -75,7 +75,7 @@ def static_cache(model, max_len: int, device: str = "cuda"):
     try:
         return StaticCache(config=model.config, max_cache_len=max_len)
     except TypeError:
-        return StaticCache(config=model.config, max_batch_size=1, max_cache_len=max_len, device=device,
+        return StaticCache(config=model.config, max_batch_size=batch, max_cache_len=max_len, device=device,
                            dtype=torch.bfloat16)
 
 
@@ -90,7 +90,7 @@ def cache_kwarg(model) -> str:
 def decode_step(model, batch: int, context: int, gen, device: str = "cuda"):
     """A decode step of ``batch`` sequences after ``context`` prompt tokens, as a closure."""
     vocab = model.config.vocab_size
-    cache = static_cache(model, context + 8, device)
+    cache = static_cache(model, context + 8, batch, device)
     prompt = torch.randint(0, vocab, (batch, context), device=device, generator=gen)
     kw = cache_kwarg(model)
     model(prompt, **{kw: cache}, cache_position=torch.arange(context, device=device), use_cache=True)
