@@ -1,4 +1,4 @@
-"""Speed of a compiled MoE layer before and after the graph pass, on the PERF.md shapes.
+"""Speed of a compiled MoE layer before and after the graph pass, on two benchmark layers.
 
 Run on a CUDA machine (never in CI):
 
@@ -23,7 +23,8 @@ timing for the CPU (the eager loop's time is mostly host time).  Timing: median 
 ``triton.testing.do_bench`` (CUDA events around each call; the loop's device syncs are
 inside the timed region, as a user would see them).  Writes ``OUT/bench_pass.json``,
 ``OUT/bench_pass.png`` (time vs tokens, log-log) and prints markdown tables;
-``--from-json FILE`` redraws both from an earlier run's JSON without a GPU.
+``--from-json FILE`` redraws both from an earlier run's JSON without a GPU.  Exits 1
+when a (model, pass state) process failed or was stopped.
 """
 
 from __future__ import annotations
@@ -37,10 +38,9 @@ import subprocess
 import sys
 import time
 
-MODELS = {  # name: (E, H, I, top_k), as bench_moe.py / PERF.md
-    "deepseek_v3": (256, 7168, 2048, 8),
-    "qwen3_30b_a3b": (128, 2048, 768, 8),
-}
+from common import MODELS as ALL_MODELS
+
+MODELS = {name: ALL_MODELS[name] for name in ("deepseek_v3", "qwen3_30b_a3b")}
 TOKENS = [1, 64, 512, 4096]
 
 
@@ -54,16 +54,17 @@ def _timing_lock(path):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _build_layer(E, H, I, k):
+def _build_layer(model):
     import torch
     from torch import nn
 
     import fp8_moe_ops
     from fp8_moe_ops.demo import MoELayer
 
+    E, H, k = model.E, model.H, model.top_k
     torch.manual_seed(0)  # the router and the tokens
     gen = torch.Generator(device="cuda").manual_seed(0)
-    experts = fp8_moe_ops.FP8Experts(E, H, I, device="cuda")  # dispatch="eager", dynamic scheme
+    experts = fp8_moe_ops.FP8Experts(E, H, model.I, device="cuda")  # dispatch="eager", dynamic scheme
     for e in range(E):  # one expert at a time: no float copy of the whole weight tensor
         for name in ("gate_up_proj", "down_proj"):
             w = getattr(experts, name)
@@ -98,9 +99,8 @@ def child(model: str, state: str, tokens: list[int], out_dir: str) -> dict:
     import fp8_moe_ops.passes as passes
 
     torch._inductor.config.force_disable_caches = True  # a cache hit would skip the pass
-    E, H, I, k = MODELS[model]
-    layer = _build_layer(E, H, I, k)
-    x = torch.randn(max(tokens), H, device="cuda", dtype=torch.bfloat16)
+    layer = _build_layer(MODELS[model])
+    x = torch.randn(max(tokens), MODELS[model].H, device="cuda", dtype=torch.bfloat16)
     res = {"model": model, "state": state, "eager_ms": {}, "compiled_ms": {}}
     if state == "on":
         passes.install()
@@ -171,12 +171,12 @@ def main():
             results = json.load(f)
         plot(results, os.path.join(a.out_dir, "bench_pass.png"))
         print(table(results))
-        return
+        return 0
     if a.child:
         res = child(a.child[0], a.child[1], tokens, a.out_dir)
         with open(os.path.join(a.out_dir, f"pass_{a.child[0]}_{a.child[1]}.json"), "w") as f:
             json.dump(res, f, indent=1)
-        return
+        return 0
     for f in os.listdir(a.out_dir):
         if f.startswith(".ready_") or f == ".go":
             os.remove(os.path.join(a.out_dir, f))
@@ -203,6 +203,10 @@ def main():
         json.dump(results, f, indent=1)
     plot(results, os.path.join(a.out_dir, "bench_pass.png"))
     print(table(results))
+    failed = [r for r in results if "error" in r]
+    for r in failed:
+        print(f"FAILED: {r['model']} {r['state']}: {r['error']}")
+    return 1 if failed else 0
 
 
 def table(results) -> str:
@@ -262,4 +266,4 @@ def plot(results, path: str) -> None:
 
 START = time.monotonic()
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,37 +1,31 @@
 """GPU time per kernel of one ``fp8_moe::grouped_experts`` call (torch.profiler).
 
-    PYTHONPATH=. python bench/profile_layer.py --out OUT/profile_layer.json [--cases qwen3_30b_a3b:1,8;...]
+    PYTHONPATH=. python bench/profile_layer.py --out-dir OUT [--cases "qwen3_30b_a3b:1,8;..."]
 
-For each (model, T), dynamic and static activation scales: the median over 20 calls of every kernel's device time, their
-sum, and the CUDA-graph replay time of the whole call (so the gap between them is
-the cost of launches and of the GPU idling between six dependent kernels).
+For each (model, T), dynamic and static activation scales: the median over 20 calls of
+every kernel's device time, their sum, and the CUDA-graph replay time of the whole call
+(the gap between them is the cost of launches and of the GPU idling between dependent
+kernels).  Writes ``OUT/profile_layer.json`` / ``.md``; exits 1 if any case failed.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-import fp8_moe_ops  # noqa: F401
-
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from bench_moe import BLOCK, DEV, MODELS, OPS, bench_graph, layer_inputs, layer_weights, parse_sweep  # noqa: E402
+import fp8_moe_ops  # noqa: F401  (registers torch.ops.fp8_moe)
+from common import (BLOCK, MODELS, ExperimentConfig, Runner, graph_ms, layer_inputs, layer_weights, parse_sweep,
+                    results_table, static_scales)
 
 CASES = {"deepseek_v3": [1, 8, 16384], "qwen3_30b_a3b": [1, 8, 64, 16384], "mixtral_8x7b": [1, 8, 16384]}
 CALLS = 20
 
 
-def _profile(model, T, scheme, gen, gu, gus, dp, dps) -> dict:
-    E = MODELS[model][0]
-    x, idx, wts = layer_inputs(model, T, gen)
-    act = [None, None] if scheme == "dynamic" else [torch.rand(E, device=DEV, generator=gen) * 0.01 + 0.01
-                                                    for _ in range(2)]
-    fn = lambda: OPS.grouped_experts(x, idx, wts, gu, gus, dp, dps, BLOCK, "silu", *act)  # noqa: E731
+def kernel_times(fn) -> dict:
     fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -44,28 +38,38 @@ def _profile(model, T, scheme, gen, gu, gus, dp, dps) -> dict:
     # the i-th kernel of every call (the two GEMMs share a name, not a position)
     kernels = [(evs[i].name, statistics.median(evs[c * per_call + i].device_time_total for c in range(CALLS)))
                for i in range(per_call)]
-    return {"model": model, "T": T, "scheme": scheme, "kernels_us": kernels, "launches_per_call": len(evs) / CALLS,
-            "sum_us": sum(t for _, t in kernels), "graph_us": bench_graph(fn) * 1e3}
+    return {"launches_per_call": len(evs) / CALLS, "sum_us": sum(t for _, t in kernels),
+            "graph_us": graph_ms(fn) * 1e3, "kernels_us": kernels}
 
 
 def main() -> int:
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", required=True)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out-dir", required=True)
     p.add_argument("--cases", default=None, help="model:T,T;... (default: CASES)")
     args = p.parse_args()
-    gen = torch.Generator(device=DEV).manual_seed(5)
-    rows = []
-    for model, tokens in (parse_sweep(args.cases) if args.cases else CASES).items():
-        gu, gus, dp, dps = layer_weights(model, gen)
+    runner = Runner("profile_layer", args.out_dir)
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    for name, tokens in (parse_sweep(args.cases) if args.cases else CASES).items():
+        model = MODELS[name]
+        w = layer_weights(model, gen)
+        act = {"dynamic": (None, None), "static": static_scales(model, gen)}
         for T in tokens:
-            for scheme in ("dynamic", "static"):
-                rows.append(_profile(model, T, scheme, gen, gu, gus, dp, dps))
-                print(json.dumps(rows[-1]), flush=True)
-        del gu, gus, dp, dps
+            x, idx, wts = layer_inputs(model, T, gen)
+            for scheme, scales in act.items():
+                runner.run(ExperimentConfig("profile", name, T, scheme),
+                           lambda s=scales: kernel_times(
+                               lambda: torch.ops.fp8_moe.grouped_experts(x, idx, wts, *w, BLOCK, "silu", *s)))
+        del w
         torch.cuda.empty_cache()
-    with open(args.out, "w") as f:
-        json.dump(rows, f, indent=1)
-    return 0
+        runner.save(table(runner))
+    return runner.exit_code()
+
+
+def table(runner: Runner) -> str:
+    return results_table(runner.results, [("model", "model", ""), ("T", "tokens", ""), ("scheme", "variant", ""),
+                                          ("launches", "launches_per_call", ".0f"),
+                                          ("sum of kernels µs", "sum_us", ".1f"),
+                                          ("graph µs", "graph_us", ".1f")])
 
 
 if __name__ == "__main__":

@@ -1,27 +1,28 @@
 """A/B of the grouped GEMM's weight-scale path: one scale per tile and K step
 (``W_SCALE_PER_TILE``, taken when ``BN`` divides ``bn``) against one per column.
 
-    PYTHONPATH=. python bench/scale_path.py --out OUT/scale_path.json
+    PYTHONPATH=. python bench/scale_path.py --out-dir OUT
 
-Same kernel, same configs; only the constexpr is forced off for the B side.  Times
-(median of ``triton.testing.do_bench``) the grouped op alone at PERF.md's shape and
-whole layers at the compute-bound token counts, where the rescale competes with the
-tensor cores.
+Same kernel, same configs; only the constexpr is forced off for the B side.  Times the
+grouped op alone (32 experts x 2048 rows, N=4096, K=7168) and whole layers at the
+compute-bound token counts, where the rescale competes with the tensor cores.  Writes
+``OUT/scale_path.json`` / ``.md``; exits 1 if any case failed.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import torch
 
-import fp8_moe_ops  # noqa: F401
+import fp8_moe_ops  # noqa: F401  (registers torch.ops.fp8_moe)
+from common import (BLOCK, MODELS, ExperimentConfig, Runner, layer_flops, layer_inputs, layer_weights, make_weights,
+                    results_table, time_ms)
 from fp8_moe_ops.kernels import moe
 
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from bench_moe import BLOCK, DEV, MODELS, OPS, bench, layer_inputs, layer_weights, make_weights  # noqa: E402
+OPS = torch.ops.fp8_moe
+LAYERS = {"deepseek_v3": (8192, 16384), "qwen3_30b_a3b": (8192, 16384), "mixtral_8x7b": (16384,)}
 
 
 class _PerColumn:
@@ -35,48 +36,46 @@ class _PerColumn:
         return lambda *args, **kw: launch(*args, **{**kw, "W_SCALE_PER_TILE": False})
 
 
-def _ab(fn) -> dict:
-    per_tile = bench(fn)
+def ab(fn, flops: int) -> dict:
+    per_tile = time_ms(fn)
     kernel = moe._grouped_gemm_kernel
     moe._grouped_gemm_kernel = _PerColumn(kernel)
     try:
         fn()  # compile outside the timing
-        per_column = bench(fn)
+        per_column = time_ms(fn)
     finally:
         moe._grouped_gemm_kernel = kernel
-    return {"per_tile_ms": per_tile, "per_column_ms": per_column, "speedup": per_column / per_tile}
+    return {"per_tile_ms": per_tile, "per_column_ms": per_column, "speedup": per_column / per_tile,
+            "tflops": flops / per_tile / 1e9}
 
 
 def main() -> int:
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", required=True)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out-dir", required=True)
     args = p.parse_args()
-    gen = torch.Generator(device=DEV).manual_seed(3)
-    rows = []
-    E, M, N, K = 32, 2048, 4096, 7168  # PERF.md's grouped-op shape
+    runner = Runner("scale_path", args.out_dir)
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    E, M, N, K = 32, 2048, 4096, 7168
     w, ws = make_weights(E, N, K, gen)
-    x = torch.randn(E * M, K, device=DEV, generator=gen, dtype=torch.bfloat16)
-    offsets = torch.arange(1, E + 1, device=DEV, dtype=torch.int32) * M
-    r = _ab(lambda: OPS.grouped_mm(x, w, ws, offsets, BLOCK))
-    r.update(case="grouped_mm 32x2048, N=4096, K=7168", tflops=2 * E * M * N * K / r["per_tile_ms"] / 1e9)
-    rows.append(r)
-    print(r, flush=True)
+    x = torch.randn(E * M, K, device="cuda", generator=gen, dtype=torch.bfloat16)
+    offsets = torch.arange(1, E + 1, device="cuda", dtype=torch.int32) * M
+    runner.run(ExperimentConfig("scale_path", f"grouped_mm {E}x{M} N={N} K={K}", E * M, "per_tile_vs_per_column"),
+               lambda: ab(lambda: OPS.grouped_mm(x, w, ws, offsets, BLOCK), 2 * E * M * N * K))
     del w, ws, x
-    for model, tokens in (("deepseek_v3", (8192, 16384)), ("qwen3_30b_a3b", (8192, 16384)),
-                          ("mixtral_8x7b", (16384,))):
-        _, H, I, k = MODELS[model]
-        gu, gus, dp, dps = layer_weights(model, gen)
+    for name, tokens in LAYERS.items():
+        model = MODELS[name]
+        lw = layer_weights(model, gen)
         for T in tokens:
-            x, idx, wts = layer_inputs(model, T, gen)
-            r = _ab(lambda: OPS.grouped_experts(x, idx, wts, gu, gus, dp, dps, BLOCK))
-            r.update(case=f"{model} T={T}", tflops=6 * T * k * H * I / r["per_tile_ms"] / 1e9)
-            rows.append(r)
-            print(r, flush=True)
-        del gu, gus, dp, dps
+            xt, idx, wts = layer_inputs(model, T, gen)
+            runner.run(ExperimentConfig("scale_path", name, T, "per_tile_vs_per_column"),
+                       lambda: ab(lambda: OPS.grouped_experts(xt, idx, wts, *lw, BLOCK), layer_flops(model, T)))
+        del lw
         torch.cuda.empty_cache()
-    with open(args.out, "w") as f:
-        json.dump(rows, f, indent=1)
-    return 0
+        runner.save(results_table(runner.results, [("case", "model", ""), ("T", "tokens", ""),
+                                                   ("per tile ms", "per_tile_ms", ".3f"),
+                                                   ("per column ms", "per_column_ms", ".3f"),
+                                                   ("speed-up", "speedup", ".3f"), ("TFLOP/s", "tflops", ".0f")]))
+    return runner.exit_code()
 
 
 if __name__ == "__main__":

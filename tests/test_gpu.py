@@ -1,6 +1,6 @@
-"""CUDA-only tests (skipped without a GPU; run them on the H200 with
+"""CUDA-only tests (marked ``gpu``, skipped without a GPU; run them on the H200 with
 ``python -m pytest tests/test_gpu.py -q``).  Correctness against the CPU reference at
-many shapes lives in ``bench/check_gpu.py``; these are the properties that need a
+many shapes lives in ``tests/test_gpu_kernels.py``; these are the properties that need a
 device: compile modes, AOTInductor on CUDA, determinism, 64-bit indexing, peak memory,
 and a property test against the CPU reference."""
 
@@ -19,7 +19,7 @@ from fp8_moe_ops.demo import plain_package_crashes
 
 from helpers import make_experts_inputs, rel_err
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 OPS = torch.ops.fp8_moe
 # Hopper's fp8 MMA sums each K step in reduced precision before the float32 rescale:
 # whole-layer outputs differ from the CPU reference by ~5e-3 (docs/benchmarks.md).

@@ -14,7 +14,8 @@ kernels never rely on either: they round in float32 / integer arithmetic
 (``round_to_e4m3``, ``round_to``) and only cast exact values, the same code on the
 GPU.  So the quantised bytes are compared *bitwise* with torch here, and the GEMM
 outputs differ from the reference only by float32 summation order (at most one ulp
-of the output dtype after rounding).  The ``gpu`` tests repeat these checks on a GPU.
+of the output dtype after rounding).  ``tests/test_gpu_kernels.py`` (marked ``gpu``)
+repeats these checks on the H200.
 """
 
 from __future__ import annotations

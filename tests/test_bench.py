@@ -1,0 +1,190 @@
+"""bench/ on CPU: every script imports without a GPU, and the shared module's runner,
+result types, writers, inputs and floors work (tiny sizes).  The benchmarks themselves
+run on a CUDA machine only."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fp8_moe_ops import reference
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+SCRIPTS = sorted(p.stem for p in BENCH.glob("*.py") if p.stem != "common")
+
+
+def _load(name: str, monkeypatch) -> object:
+    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, name, module)  # removed again after the test
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def common(monkeypatch):
+    return _load("common", monkeypatch)
+
+
+def test_every_script_imports_without_a_gpu_and_has_a_main():
+    # a fresh process: the scripts import ``common`` from bench/ as a script would
+    code = ("import importlib, sys; sys.path.insert(0, sys.argv[1]); "
+            "[getattr(importlib.import_module(m), 'main') for m in sys.argv[2:]]")
+    proc = subprocess.run([sys.executable, "-c", code, str(BENCH), *SCRIPTS], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert {"bench_moe", "host_overhead", "gemm_ceiling", "bench_model", "dispatch_agreement"} <= set(SCRIPTS)
+
+
+def test_runner_records_a_failure_goes_on_and_exits_nonzero(common, tmp_path):
+    runner = common.Runner("smoke", str(tmp_path))
+    cfg = common.ExperimentConfig("smoke", "tiny", 4, "ok", params=(("proj", "down"),))
+    ok = runner.run(cfg, lambda: {"ms": 0.5})
+    bad = runner.run(common.ExperimentConfig("smoke", "tiny", 8, "broken"), lambda: 1 / 0)
+    assert ok.ok and ok.metrics == {"ms": 0.5}
+    assert not bad.ok and bad.error.startswith("ZeroDivisionError")
+    assert runner.exit_code() == 1
+    runner.save(common.results_table(runner.results, [("T", "tokens", ""), ("ms", "ms", ".3f")]))
+    meta, results = common.read_json(str(tmp_path / "smoke.json"))
+    assert results == runner.results  # frozen dataclasses round-trip through the JSON
+    assert meta["device"] == "cpu"
+    table = (tmp_path / "smoke.md").read_text()
+    assert "| 4 | 0.500 | — |" in table and "| 8 | — | ZeroDivisionError: division by zero |" in table
+
+
+def test_runner_all_ok_exits_zero(common):
+    runner = common.Runner("smoke")
+    runner.run(common.ExperimentConfig("smoke", "tiny", 1, "a"), lambda: {"x": 1})
+    assert runner.exit_code() == 0
+    assert runner.results[0].flat() == {"experiment": "smoke", "model": "tiny", "tokens": 1, "variant": "a",
+                                        "routing": "uniform", "x": 1, "error": None}
+
+
+def test_inputs_on_cpu(common):
+    tiny = common.Model("tiny", E=16, H=256, I=128, top_k=4)
+    gen = torch.Generator().manual_seed(0)
+    w = common.layer_weights(tiny, gen, device="cpu")
+    assert w.gate_up.shape == (16, 256, 256) and w.gate_up.dtype == torch.float8_e4m3fn
+    assert w.down_scale.shape == (16, 2, 1) and (w.down_scale > 0).all()
+    # the bf16 baseline's weights are the block dequantisation of ours
+    expected = reference.dequantize_weight(w.down[3], w.down_scale[3], common.BLOCK).to(torch.bfloat16)
+    assert torch.equal(common.dequant_bf16(w.down, w.down_scale)[3], expected)
+    x, idx, wts = common.layer_inputs(tiny, 2000, gen, "uniform", device="cpu")
+    assert x.shape == (2000, 256) and idx.shape == wts.shape == (2000, 4)
+    assert torch.allclose(wts.sum(-1), torch.ones(2000))
+    assert (idx.sort(-1).values.diff(dim=-1) > 0).all()  # k distinct experts per token
+    _, skewed, _ = common.layer_inputs(tiny, 2000, gen, "skewed", device="cpu")
+    uniform_hot = torch.bincount(idx.flatten(), minlength=16)[0] / idx.numel()
+    skewed_hot = torch.bincount(skewed.flatten(), minlength=16)[0] / skewed.numel()
+    assert skewed_hot > 2 * uniform_hot  # Zipf-like: expert 0 is the hottest
+    with pytest.raises(ValueError, match="kind"):
+        common.make_routing(4, 16, 2, "zipf", gen, device="cpu")
+
+
+def test_floor_is_the_larger_term(common):
+    m = common.MODELS["deepseek_v3"]
+    assert common.layer_flops(m, 1) == 6 * 8 * 7168 * 2048
+    nbytes = common.weight_bytes(m, 8)
+    assert nbytes == 8 * (3 * 7168 * 2048 + 4 * (32 * 56 + 56 * 16))
+    assert common.floor_ms(common.layer_flops(m, 1), nbytes) == pytest.approx(nbytes / 4.22e12 * 1e3)
+    flops = common.layer_flops(m, 16384)
+    assert common.floor_ms(flops, nbytes) == pytest.approx(flops / 1357e12 * 1e3)
+
+
+def test_parse_sweep(common):
+    assert common.parse_sweep("qwen3_30b_a3b:1,8;mixtral_8x7b:64") == {"qwen3_30b_a3b": [1, 8], "mixtral_8x7b": [64]}
+    with pytest.raises(ValueError, match="llama"):
+        common.parse_sweep("llama:1")
+
+
+def test_bench_moe_table_from_results(common, monkeypatch):
+    bench_moe = _load("bench_moe", monkeypatch)
+    runner = common.Runner("bench_moe")
+    shape = {"flops": 6e9, "weight_bytes": 2e9, "floor_ms": 0.5}
+    for variant, metrics in (("ours_dynamic", {"ms": 1.0, "graph_ms": 0.8}), ("bf16", {"ms": 2.4})):
+        runner.run(common.ExperimentConfig("layer", "qwen3_30b_a3b", 64, variant), lambda m=metrics: {**shape, **m})
+    runner.run(common.ExperimentConfig("layer", "qwen3_30b_a3b", 64, "fp8_rowwise"), lambda: 1 / 0)
+    table = bench_moe.report(runner)
+    row = next(line for line in table.splitlines() if line.startswith("| 64 |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    cols = [h for h, _, _ in bench_moe.COLUMNS]
+    assert cells[cols.index("ours dyn ms")] == "1.000"
+    assert cells[cols.index("TFLOP/s")] == "8"  # flops / best time (the graph's 0.8 ms)
+    assert cells[cols.index("% of floor")] == "62"
+    assert cells[cols.index("x bf16")] == "3.00"
+    assert cells[cols.index("rowwise ms")] == "err"
+
+
+def test_dispatch_agreement_runs_on_cpu(monkeypatch, common, tmp_path):
+    agreement = _load("dispatch_agreement", monkeypatch)
+    monkeypatch.setattr(agreement, "SEEDS", 2)
+    res = agreement.scan(torch.float32, "silu")
+    assert res["layers"] == 2 and 0 <= res["differ"] <= 2 and res["worst_rel_err"] < 1e-5
+
+
+def test_gemm_ceiling_table_reports_the_ratio_and_errors(common, monkeypatch):
+    ceiling = _load("gemm_ceiling", monkeypatch)
+    runner = common.Runner("gemm_ceiling")
+    params = (("proj", "down"), ("M", 65536), ("N", 7168), ("K", 2048), ("rows_per_expert", 256))
+    runner.run(common.ExperimentConfig("gemm_ceiling", "deepseek_v3", 8192, "dense_blockwise", params=params),
+               lambda: {"api": "F.scaled_mm", "ms": 1.0, "tflops": 1200.0})
+    runner.run(common.ExperimentConfig("gemm_ceiling", "deepseek_v3", 8192, "ours", params=params),
+               lambda: {"ms": 2.0, "tflops": 600.0, "kernel_tflops": 900.0})
+    runner.run(common.ExperimentConfig("gemm_ceiling", "deepseek_v3", 8192, "dense_tensorwise", params=params),
+               lambda: 1 / 0)
+    table = ceiling.table(runner)
+    assert "| 0.50 | 0.75 | F.scaled_mm | dense_tensorwise: ZeroDivisionError" in table
+
+
+def test_results_json_is_plain_json(common, tmp_path):
+    results = [common.ExperimentResult(common.ExperimentConfig("e", "m", 1, "v"), {"kernels": ["a", "b"]})]
+    common.write_json(str(tmp_path / "r.json"), {"command": "x"}, results)
+    assert json.loads((tmp_path / "r.json").read_text())["results"][0]["metrics"] == {"kernels": ["a", "b"]}
+
+
+def test_experts_module_holds_the_weights_without_a_copy(common):
+    tiny = common.Model("tiny", E=4, H=256, I=128, top_k=2)
+    gen = torch.Generator().manual_seed(1)
+    w = common.layer_weights(tiny, gen, device="cpu")
+    experts = common.experts_module(tiny, w, dispatch="grouped")
+    assert experts.down_proj.data_ptr() == w.down.data_ptr()
+    x, idx, wts = common.layer_inputs(tiny, 5, gen, device="cpu")
+    assert torch.equal(experts(x, idx, wts), torch.ops.fp8_moe.grouped_experts(x, idx, wts, *w, common.BLOCK))
+
+
+def test_bench_model_decode_step_repeats_the_same_step(common, monkeypatch):
+    # Each call rewinds the static cache, so timing hundreds of calls measures one step
+    # at a fixed context (and never writes past the cache): equal to a full prefill's
+    # last position, call after call.
+    pytest.importorskip("transformers")
+    bench_model = _load("bench_model", monkeypatch)
+    tiny = common.Model("tiny", E=8, H=128, I=64, top_k=2)
+    with torch.no_grad():
+        model = bench_model.build_model(2, 64, tiny, heads=(4, 2, 32), device="cpu").float()
+        step = bench_model.decode_step(model, 2, 16, torch.Generator().manual_seed(5), device="cpu")
+        gen = torch.Generator().manual_seed(5)  # the same draws as decode_step's: prompt, then the step's tokens
+        prompt, ids = torch.randint(0, 64, (2, 16), generator=gen), torch.randint(0, 64, (2, 1), generator=gen)
+        full = model(torch.cat([prompt, ids], 1), use_cache=False).logits[:, -1:]
+        for _ in range(3):
+            assert torch.allclose(step(), full, atol=1e-5)
+
+
+def test_host_overhead_table_shows_the_cost_beyond_the_op(common, monkeypatch):
+    overhead = _load("host_overhead", monkeypatch)
+    runner = common.Runner("host_overhead")
+    for variant, us in (("op grouped_experts", 40.0), ("FP8Experts.forward", 52.5)):
+        runner.run(common.ExperimentConfig("host_overhead", "qwen3_30b_a3b", 1, variant),
+                   lambda us=us: {"cpu_us": us, "wall_us": 90.0, "launches": 6.0})
+    assert "| qwen3_30b_a3b | 1 | FP8Experts.forward | 52.5 | +12.5 | 90.0 | 6.0 |" in overhead.table(runner)
+
+
+def test_read_json_refuses_untyped_results(common, tmp_path):
+    (tmp_path / "old.json").write_text(json.dumps({"meta": {}, "results": [{"model": "m", "T": 1}]}))
+    with pytest.raises(ValueError, match="typed results"):
+        common.read_json(str(tmp_path / "old.json"))

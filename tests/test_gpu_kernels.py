@@ -1,0 +1,288 @@
+"""The CUDA (Triton) implementation of every fp8_moe op against the CPU reference.
+
+Marked ``gpu``; skipped without a CUDA device.  On the H200:
+``python -m pytest -m gpu tests/test_gpu_kernels.py -q`` (a few minutes).  Every input
+comes from a seeded generator, so a failure reproduces.  What is checked:
+
+* activation quantisation (dynamic and static): bytes and scales bitwise equal to the
+  reference's, on random data and on every e4m3 rounding case;
+* linear / grouped_mm / batched_mm / grouped_experts / batched_experts through
+  ``torch.ops.fp8_moe`` on CUDA vs the same op on CPU, at adversarial shapes, static
+  and dynamic, float32 and UE8M0 scales, per-tensor scales, bf16 / fp16 / fp32;
+* every output element written: the caching allocator's free blocks are filled with
+  NaN before each call, so an unwritten element reads back as NaN; rows of sentinel
+  slots only (and grouped_mm rows past ``offsets[-1]``) must be exactly zero;
+* grouped == batched experts bitwise, and run to run;
+* ``grouped_experts`` captured in a CUDA graph and replayed with new routing equals an
+  eager call on that routing, bitwise (no host sync, routing-independent grid);
+* every launch config of the shipped table, at the benchmark layers' shapes, agrees
+  with the BM = 16 config that the small shapes compare with the reference.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fp8_moe_ops import reference
+from fp8_moe_ops.kernels import moe
+
+from helpers import make_expert_weights, make_experts_inputs, make_routing, rel_err
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+OPS = torch.ops.fp8_moe
+E8M0 = torch.float8_e8m0fnu
+FP8 = torch.float8_e4m3fn
+# Relative Frobenius error bounds vs the CPU reference: GEMMs differ by summation order
+# before the output rounding, and Hopper's fp8 MMA adds the products of one K step with
+# less than float32 precision (the kernels promote to float32 every K step, as
+# DeepSeek-V3 does): 1.3e-4 measured at K = 2048 for a float32 output, far under any
+# bf16/fp16 rounding.  Whole experts can also move one re-quantised activation element
+# by one e4m3 step.  An indexing or scaling bug is off by order 1.
+GEMM_BOUND = {torch.bfloat16: 2e-3, torch.float16: 5e-4, torch.float32: 5e-4}
+EXPERTS_BOUND = 1e-2
+
+
+def _cuda(t):
+    return t.cuda() if isinstance(t, torch.Tensor) else t
+
+
+def _poison() -> None:
+    """Fill the caching allocator's free memory with NaN: an output element the kernels
+    forget to write reads back as NaN."""
+    keep = [torch.full((numel,), float("nan"), device="cuda")
+            for numel in (1 << 28, *[1 << s for s in range(8, 19) for _ in range(4)])]
+    del keep
+
+
+def _assert_written(out: torch.Tensor, ref: torch.Tensor) -> None:
+    unwritten = (out.isnan().cpu() & ~ref.isnan()).sum().item()
+    assert unwritten == 0, f"{unwritten} unwritten (NaN) elements"
+
+
+# --------------------------------------------------------------------------- quantisation
+
+
+def _e4m3_rounding_cases() -> torch.Tensor:
+    """Every finite e4m3 value, the midpoints between neighbours, the floats just above
+    and below each midpoint, signed zeros, values past the range and infinities."""
+    grid = torch.arange(0, 256, dtype=torch.uint8).view(FP8).float()
+    grid = grid[torch.isfinite(grid)].unique()
+    mids = (grid[1:] + grid[:-1]) / 2
+    return torch.cat([grid, mids, torch.nextafter(mids, torch.tensor(1e9)), torch.nextafter(mids, torch.tensor(-1e9)),
+                      torch.tensor([0.0, -0.0, 500.0, -1e6, 1e-3, 126.24, 17.0, float("inf"), float("-inf")])])
+
+
+def test_static_quantisation_every_rounding_case_bitwise():
+    x = _e4m3_rounding_cases()[:, None].expand(-1, 128).contiguous()
+    one = torch.ones(1)
+    q, _ = moe._quantize(x.cuda(), 128, x.shape[0], offsets=torch.tensor([x.shape[0]], dtype=torch.int32).cuda(),
+                         act_scale=one.cuda())
+    assert torch.equal(q.cpu().view(torch.uint8), reference.quantize_act_static(x, one).view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("T,K,group", [
+    (1, 128, 128),    # T=1
+    (333, 7168, 128),  # deepseek_v3's H, T not a multiple of any block
+    (64, 400, 128),   # K not a multiple of the group
+    (50, 96, 32),     # small group
+])
+def test_dynamic_quantisation_bitwise(dtype, T, K, group):
+    gen = torch.Generator().manual_seed(T * K + group)
+    # magnitudes over seven decades across K; one all-zero group (scale of a zero group)
+    x = (torch.randn(T, K, generator=gen) * torch.logspace(-4, 3, K)).to(dtype)
+    x[0, :group] = 0
+    _poison()
+    q, s = moe._quantize(x.cuda(), group, T)
+    rq, rs = reference.quantize_act_dynamic(x, group)
+    assert torch.equal(q.cpu().view(torch.uint8), rq.view(torch.uint8))
+    assert torch.equal(s.cpu(), rs)
+
+
+# --------------------------------------------------------------------------- GEMMs
+
+GEMM_CASES = {  # S rows, E experts, N, K, block
+    "T=1": (1, 3, 256, 384, [128, 128]),
+    "T<block, prime E, N/K not multiples": (45, 7, 200, 400, [128, 128]),
+    "block 32": (300, 5, 96, 160, [32, 32]),
+    "bn!=bk, bk=96": (130, 4, 150, 288, [64, 96]),
+    "large": (2048, 8, 1024, 2048, [128, 128]),
+}
+DTYPES = {"bf16": (torch.bfloat16, None), "fp16": (torch.float16, None), "bf16->fp32": (torch.bfloat16, torch.float32)}
+
+
+def _gemm_inputs(case, static, scale_dtype, dtype, seed):
+    S, E, N, K, block = GEMM_CASES[case]
+    gen = torch.Generator().manual_seed(seed)
+    # per-tensor weight scales (E, 1, 1) on one case
+    w, ws = make_expert_weights(E, N, K, block, scale_dtype, per_tensor=(S == 45 and scale_dtype == E8M0), std=0.05,
+                                gen=gen)
+    x = torch.randn(S, K, generator=gen).to(dtype)
+    a = torch.rand(E, generator=gen) * 0.01 + 0.002 if static else None
+    return gen, x, w, ws, a, block
+
+
+gemm_params = pytest.mark.parametrize("case", list(GEMM_CASES))
+gemm_combos = [pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"]),
+               pytest.mark.parametrize("scale_dtype", [torch.float32, E8M0], ids=["f32scale", "e8m0scale"]),
+               pytest.mark.parametrize("dtypes", list(DTYPES))]
+
+
+def _gemm_test(fn):
+    for mark in (gemm_params, *gemm_combos):
+        fn = mark(fn)
+    return fn
+
+
+@_gemm_test
+def test_linear_matches_cpu(case, static, scale_dtype, dtypes):
+    dtype, out_dtype = DTYPES[dtypes]
+    _, x, w, ws, a, block = _gemm_inputs(case, static, scale_dtype, dtype, seed=1)
+    a0 = None if a is None else a[:1]
+    _poison()
+    out = OPS.linear(x.cuda(), w[0].cuda(), ws[0].cuda(), block, _cuda(a0), out_dtype)
+    ref = OPS.linear(x, w[0], ws[0], block, a0, out_dtype)
+    _assert_written(out, ref)
+    assert rel_err(out.cpu(), ref) < GEMM_BOUND[out_dtype or dtype]
+
+
+@_gemm_test
+def test_grouped_mm_matches_cpu(case, static, scale_dtype, dtypes):
+    dtype, out_dtype = DTYPES[dtypes]
+    gen, x, w, ws, a, block = _gemm_inputs(case, static, scale_dtype, dtype, seed=2)
+    S, E = x.shape[0], w.shape[0]
+    # uneven groups, expert 1 empty, the last fifth of the rows past offsets[-1]
+    cuts = torch.sort(torch.randint(0, S + 1, (E,), generator=gen)).values
+    cuts[1] = cuts[0]
+    cuts[-1] = max(int(cuts[-2]), S - S // 5)
+    offsets = cuts.to(torch.int32)
+    _poison()
+    out = OPS.grouped_mm(x.cuda(), w.cuda(), ws.cuda(), offsets.cuda(), block, _cuda(a), out_dtype)
+    ref = OPS.grouped_mm(x, w, ws, offsets, block, a, out_dtype)
+    _assert_written(out, ref)
+    assert (out[int(offsets[-1]):] == 0).all()
+    assert rel_err(out.cpu(), ref) < GEMM_BOUND[out_dtype or dtype]
+
+
+@_gemm_test
+def test_batched_mm_matches_cpu(case, static, scale_dtype, dtypes):
+    dtype, out_dtype = DTYPES[dtypes]
+    gen, x, w, ws, a, block = _gemm_inputs(case, static, scale_dtype, dtype, seed=3)
+    E = w.shape[0]
+    ids = torch.randint(-1, E + 1, (x.shape[0],), generator=gen)  # sentinels -1 and E among the rows
+    _poison()
+    out = OPS.batched_mm(x.cuda(), w.cuda(), ws.cuda(), ids.cuda(), block, _cuda(a), out_dtype)
+    ref = OPS.batched_mm(x, w, ws, ids, block, a, out_dtype)
+    _assert_written(out, ref)
+    assert (out[((ids < 0) | (ids >= E)).cuda()] == 0).all()
+    assert rel_err(out.cpu(), ref) < GEMM_BOUND[out_dtype or dtype]
+
+
+# --------------------------------------------------------------------------- experts
+
+EXPERT_CASES = {  # T, E, H, I, top_k, block, routing (tests/helpers.make_routing kinds)
+    "T=1": (1, 8, 256, 128, 2, [128, 128], "uniform"),
+    "T<block prime E, H/I not multiples": (37, 13, 400, 200, 4, [128, 128], "uniform"),
+    "expert with no tokens": (130, 6, 256, 256, 2, [128, 128], "skip0"),
+    "all tokens on one expert": (300, 5, 384, 256, 2, [128, 128], "one"),
+    "sentinels": (257, 9, 512, 384, 3, [128, 128], "sentinel"),
+    "block 32": (100, 4, 160, 96, 2, [32, 32], "sentinel"),
+    "mid-size": (600, 16, 1024, 512, 4, [128, 128], "uniform"),
+}
+EXPERT_COMBOS = {  # activation dtype, scale dtype, static, per-tensor weight scales, activation, swiglu_limit
+    "bf16 dynamic silu": (torch.bfloat16, torch.float32, False, False, "silu", None),
+    "bf16 static silu": (torch.bfloat16, torch.float32, True, False, "silu", None),
+    "fp16 e8m0 dynamic gelu": (torch.float16, E8M0, False, False, "gelu", None),
+    "bf16 e8m0 static per-tensor gelu_tanh limit": (torch.bfloat16, E8M0, True, True, "gelu_tanh", 2.0),
+    "fp32 static relu": (torch.float32, torch.float32, True, False, "relu", None),
+    "bf16 dynamic per-tensor silu limit": (torch.bfloat16, torch.float32, False, True, "silu", 0.7),
+}
+
+
+@pytest.mark.parametrize("combo", list(EXPERT_COMBOS))
+@pytest.mark.parametrize("case", list(EXPERT_CASES))
+def test_experts_match_cpu(case, combo):
+    T, E, H, I, k, block, routing = EXPERT_CASES[case]
+    dtype, scale_dtype, static, per_tensor, activation, limit = EXPERT_COMBOS[combo]
+    args = make_experts_inputs(T, E, H, I, k, block, dtype, scale_dtype, static, routing, per_tensor, seed=T + E)
+    if routing == "sentinel":  # one token with sentinel slots only: its row must be exactly zero
+        args["top_k_index"][0, :] = E
+    args.update(activation=activation, swiglu_limit=limit)
+    cargs = {key: _cuda(v) for key, v in args.items()}
+    _poison()
+    out = OPS.grouped_experts(**cargs)
+    ref = OPS.grouped_experts(**args)
+    _assert_written(out, ref)
+    idx = args["top_k_index"]
+    no_expert = ((idx < 0) | (idx >= E)).all(dim=1)
+    assert (out.cpu()[no_expert] == 0).all()
+    assert rel_err(out.cpu(), ref) < EXPERTS_BOUND
+    _poison()
+    assert torch.equal(OPS.batched_experts(**cargs), out)
+    assert torch.equal(OPS.grouped_experts(**cargs), out)  # run to run
+
+
+# --------------------------------------------------------------------------- CUDA graphs
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_cuda_graph_replay_with_new_routing_equals_eager(static):
+    T, E, H, I, k = 64, 16, 512, 256, 4
+    args = {key: _cuda(v) for key, v in make_experts_inputs(T, E, H, I, k, [128, 128], static=static, seed=7).items()}
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        OPS.grouped_experts(**args)  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = OPS.grouped_experts(**args)
+    gen = torch.Generator().manual_seed(8)
+    for kind in ("uniform", "sentinel", "one", "skip0"):
+        idx, wts = make_routing(T, k, E, kind, gen=gen)
+        args["top_k_index"].copy_(idx)
+        args["top_k_weights"].copy_(wts)
+        args["hidden"].copy_(torch.randn(T, H, generator=gen).to(torch.bfloat16))
+        g.replay()
+        assert torch.equal(out, OPS.grouped_experts(**args)), kind
+
+
+# --------------------------------------------------------------------------- shipped launch configs
+
+# The benchmark layers (bench/common.py MODELS): E, H, I, top_k.
+LAYERS = {"deepseek_v3": (256, 7168, 2048, 8), "qwen3_30b_a3b": (128, 2048, 768, 8),
+          "mixtral_8x7b": (8, 4096, 14336, 2)}
+SMALL_CONFIG = {"BM": 16, "BN": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
+
+
+@pytest.fixture(scope="module", params=list(LAYERS))
+def layer_weights(request):
+    """One model's random fp8 weights on the GPU (too large for the CPU reference)."""
+    E, H, I, k = LAYERS[request.param]
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    gu = (torch.randn(E, 2 * I, H, device="cuda", dtype=torch.bfloat16, generator=gen) * 32).to(FP8)
+    dp = (torch.randn(E, H, I, device="cuda", dtype=torch.bfloat16, generator=gen) * 32).to(FP8)
+    gus = torch.rand(E, 2 * I // 128, H // 128, device="cuda", generator=gen) * 2e-4 + 1e-4
+    dps = torch.rand(E, H // 128, I // 128, device="cuda", generator=gen) * 2e-4 + 1e-4
+    yield request.param, (gu, gus, dp, dps)
+    del gu, dp
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("T", [1, 64, 512, 4096, 16384])
+def test_shipped_configs_agree_with_the_checked_small_config(layer_weights, T, monkeypatch):
+    # Same K steps, so every config must agree with BM = 16 to rounding.
+    name, (gu, gus, dp, dps) = layer_weights
+    E, H, _, k = LAYERS[name]
+    gen = torch.Generator(device="cuda").manual_seed(T)
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, generator=gen)
+    idx = torch.topk(torch.rand(T, E, device="cuda", generator=gen), k, dim=1).indices
+    wts = torch.rand(T, k, device="cuda", generator=gen)
+    _poison()
+    out = OPS.grouped_experts(x, idx, wts, gu, gus, dp, dps, [128, 128])
+    monkeypatch.setattr(moe, "gemm_config", lambda *a: dict(SMALL_CONFIG))
+    ref = OPS.grouped_experts(x, idx, wts, gu, gus, dp, dps, [128, 128])
+    assert not out.isnan().any()
+    assert rel_err(out.cpu(), ref.cpu()) < EXPERTS_BOUND
