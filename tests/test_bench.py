@@ -188,3 +188,11 @@ def test_read_json_refuses_untyped_results(common, tmp_path):
     (tmp_path / "old.json").write_text(json.dumps({"meta": {}, "results": [{"model": "m", "T": 1}]}))
     with pytest.raises(ValueError, match="typed results"):
         common.read_json(str(tmp_path / "old.json"))
+
+
+def test_bench_and_tests_name_the_same_benchmark_layers(monkeypatch):
+    # tests do not import bench/ (nor bench tests/): the two tables must agree
+    from helpers import MODELS
+
+    bench = _load("common", monkeypatch)
+    assert {m.name: (m.E, m.H, m.I, m.top_k) for m in bench.MODELS.values()} == MODELS

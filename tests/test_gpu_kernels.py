@@ -27,7 +27,7 @@ import torch
 from fp8_moe_ops import reference
 from fp8_moe_ops.kernels import moe
 
-from helpers import make_expert_weights, make_experts_inputs, make_routing, rel_err
+from helpers import MODELS, make_expert_weights, make_experts_inputs, make_routing, rel_err
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -251,16 +251,13 @@ def test_cuda_graph_replay_with_new_routing_equals_eager(static):
 
 # --------------------------------------------------------------------------- shipped launch configs
 
-# The benchmark layers (bench/common.py MODELS): E, H, I, top_k.
-LAYERS = {"deepseek_v3": (256, 7168, 2048, 8), "qwen3_30b_a3b": (128, 2048, 768, 8),
-          "mixtral_8x7b": (8, 4096, 14336, 2)}
 SMALL_CONFIG = {"BM": 16, "BN": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
 
 
-@pytest.fixture(scope="module", params=list(LAYERS))
+@pytest.fixture(scope="module", params=list(MODELS))
 def layer_weights(request):
     """One model's random fp8 weights on the GPU (too large for the CPU reference)."""
-    E, H, I, k = LAYERS[request.param]
+    E, H, I, k = MODELS[request.param]
     gen = torch.Generator(device="cuda").manual_seed(11)
     gu = (torch.randn(E, 2 * I, H, device="cuda", dtype=torch.bfloat16, generator=gen) * 32).to(FP8)
     dp = (torch.randn(E, H, I, device="cuda", dtype=torch.bfloat16, generator=gen) * 32).to(FP8)
@@ -275,7 +272,7 @@ def layer_weights(request):
 def test_shipped_configs_agree_with_the_checked_small_config(layer_weights, T, monkeypatch):
     # Same K steps, so every config must agree with BM = 16 to rounding.
     name, (gu, gus, dp, dps) = layer_weights
-    E, H, _, k = LAYERS[name]
+    E, H, _, k = MODELS[name]
     gen = torch.Generator(device="cuda").manual_seed(T)
     x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, generator=gen)
     idx = torch.topk(torch.rand(T, E, device="cuda", generator=gen), k, dim=1).indices

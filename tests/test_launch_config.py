@@ -7,11 +7,8 @@ import pytest
 
 from fp8_moe_ops.kernels.config import block_k, gemm_config
 
-MODELS = {  # name: (E, H, I, top_k): the benchmark models of bench/
-    "deepseek_v3": (256, 7168, 2048, 8),
-    "qwen3_30b_a3b": (128, 2048, 768, 8),
-    "mixtral_8x7b": (8, 4096, 14336, 2),
-}
+from helpers import MODELS
+
 
 
 # (model, T) -> (BM, BN) of the gate_up and of the down GEMM: the shipped table's
