@@ -333,6 +333,14 @@ def test_quantize_experts_rejects_bad_arguments():
         integration.quantize_experts(integration.quantize_experts(copy.deepcopy(ref)))
     with pytest.raises(NotImplementedError, match="act_fn"):
         integration.quantize_experts(bf16_model(hidden_act="gelu_fast"))
+    with pytest.raises(TypeError, match=r"block_size: expected a pair \(bn, bk\) of positive ints, got 128"):
+        integration.quantize_experts(copy.deepcopy(ref), block_size=128)
+    with pytest.raises(ValueError, match="dispatch: expected one of"):
+        integration.quantize_experts(copy.deepcopy(ref), dispatch="group")
+    with pytest.raises(TypeError, match="scale_dtype: expected"):
+        integration.quantize_experts(copy.deepcopy(ref), scale_dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="model: expected an nn.Module"):
+        integration.quantize_experts("Qwen/Qwen3-30B-A3B")
 
 
 def test_convert_linears_shares_transformers_fp8_weights():
