@@ -1,0 +1,175 @@
+"""Expert parallelism: each rank holds E/world experts; routed slots travel to them and back.
+
+Data flow of :class:`ExpertParallel` on every rank (S = T_r * k slots; see docs/parallel.md):
+
+1. ``sort_slots`` orders the slots by global expert id (stable, sentinels last).  The
+   owner of expert ``e`` is rank ``e // E_local``, so this order is also by destination
+   rank and, inside a rank, by its local expert.
+2. ``all_to_all_single`` of the per-expert slot counts (E,): each rank learns how many
+   rows each peer sends to each of its local experts.  One host sync turns the per-rank
+   totals into split sizes.
+3. ``all_to_all_single`` of the slots' token rows (activation dtype, sent as bytes: gloo
+   has no bfloat16 or fp8).  The receiver knows each row's local expert from the counts
+   (rows arrive grouped by source, then expert), so no ids travel.
+4. The receiver runs ``torch.ops.fp8_moe.grouped_experts`` on the rows with top_k = 1
+   and weight 1.0: its output is each slot's down projection rounded to the activation
+   dtype, exactly (a float32 product by 1.0 and one rounding of a value that is
+   already in the activation dtype change nothing).
+5. ``all_to_all_single`` sends the outputs back; the source puts them in slot order and
+   ``routing.combine`` weights and sums them in float32 in ascending expert id and rounds
+   once: the single-process ``FP8Experts`` numerics.
+
+Under ``torch.compile`` the transport (steps 2-4: split sizes are data) runs as an
+eager island (``torch.compiler.disable``); the routing before it and the combine after
+it have shapes that depend on T_r and k only and compile.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .modules import FP8Experts
+from .routing import combine, sort_slots
+
+__all__ = ["ExpertParallel", "shard_experts"]
+
+_PARAMS = ("gate_up_proj", "gate_up_proj_scale_inv", "down_proj", "down_proj_scale_inv",
+           "gate_up_proj_activation_scale", "down_proj_activation_scale")
+
+
+def shard_experts(experts: FP8Experts, rank: int, world_size: int) -> FP8Experts:
+    """The experts ``[rank * E/world_size, (rank + 1) * E/world_size)`` of ``experts``.
+
+    Weights, weight scales and static activation scales are sliced along the expert
+    dimension and copied (so the full module's storage can be freed); every other
+    setting (block size, activation, scheme, dispatch, swiglu limit) is kept.
+
+    Raises:
+        TypeError: ``experts`` is not an ``FP8Experts``.
+        ValueError: ``world_size`` < 1, ``rank`` outside [0, world_size), or E not a
+            multiple of ``world_size``.
+    """
+    if not isinstance(experts, FP8Experts):
+        raise TypeError(f"experts: expected an FP8Experts, got {type(experts).__name__}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size: expected a positive int, got {world_size!r}")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(f"rank: expected an int in [0, {world_size}), got {rank!r}")
+    E = experts.num_experts
+    if E % world_size:
+        raise ValueError(f"world_size: expected a divisor of num_experts={E}, got {world_size}")
+    n = E // world_size
+    lo = rank * n
+    local = FP8Experts(n, experts.hidden_size, experts.intermediate_size, experts.block_size, experts.activation,
+                       experts.activation_scheme, experts.dispatch, experts.gate_up_proj_scale_inv.dtype,
+                       experts.swiglu_limit, device="meta")
+    for name in _PARAMS:
+        full = getattr(experts, name)
+        if full is not None:
+            setattr(local, name, nn.Parameter(full.detach()[lo:lo + n].clone(), requires_grad=False))
+    return local
+
+
+class ExpertParallel(nn.Module):
+    """Runs this rank's tokens through experts spread over the ranks of ``group``.
+
+    Args:
+        local_experts: this rank's ``FP8Experts`` (``shard_experts(full, rank, world)``),
+            holding global experts ``[rank * E_local, (rank + 1) * E_local)``.
+        num_experts: E, the global number of experts (``E_local * world_size``).
+        group: the process group (``None``: the default group).  Every rank of the group
+            must call ``forward`` the same number of times (it is collective), each with
+            its own tokens; NCCL needs the tensors on the rank's current CUDA device.
+
+    ``forward(hidden_states (T_r, H), top_k_index (T_r, k) global expert ids,
+    top_k_weights (T_r, k)) -> (T_r, H)``, in the dtype of ``hidden_states``, equal to the
+    full single-process ``FP8Experts`` on the same tokens up to float32 summation order.
+    T_r may differ between ranks and be 0.  Ids outside [0, num_experts) are sentinels:
+    they are not sent anywhere and contribute exactly 0.
+    """
+
+    def __init__(self, local_experts: FP8Experts, num_experts: int, group=None):
+        super().__init__()
+        if not isinstance(local_experts, FP8Experts):
+            raise TypeError(f"local_experts: expected an FP8Experts, got {type(local_experts).__name__}")
+        if not dist.is_available() or not dist.is_initialized():
+            raise ValueError("group: expected an initialised torch.distributed process group, got none "
+                             "(call torch.distributed.init_process_group first)")
+        self.world_size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        if isinstance(num_experts, bool) or not isinstance(num_experts, int) \
+                or num_experts != local_experts.num_experts * self.world_size:
+            raise ValueError(f"num_experts: expected local_experts.num_experts * world_size = "
+                             f"{local_experts.num_experts} * {self.world_size}, got {num_experts!r}")
+        self.local_experts = local_experts
+        self.num_experts = num_experts
+        self.group = group
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        self._check(hidden_states, top_k_index, top_k_weights)
+        k = top_k_index.shape[1]
+        # perm: sorted position -> flat slot (token = slot // k); offsets (E,) inclusive cumsum
+        perm, offsets = sort_slots(top_k_index, self.num_experts)
+        counts = torch.diff(offsets.long(), prepend=offsets.new_zeros(1).long())  # (E,) slots per expert
+        x_sorted = hidden_states[perm // k]  # (S, H); sentinel slots trail and are never sent
+        y_sorted = self._remote_experts(x_sorted, counts)  # (S, H); rows past sum(counts) unset
+        y_slots = torch.empty_like(y_sorted).index_copy_(0, perm, y_sorted)  # back to slot order
+        return combine(y_slots, top_k_index, top_k_weights, self.num_experts, hidden_states.dtype)
+
+    @torch.compiler.disable
+    def _remote_experts(self, x_sorted: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Sends the valid rows of ``x_sorted`` to their experts' ranks, serves the peers'
+        rows with the local experts, and returns each row's output in ``x_sorted`` order."""
+        world, n_local = self.world_size, self.local_experts.num_experts
+        # recv_counts[s * n_local + e]: rows source rank s sends to my local expert e
+        recv_counts = torch.empty_like(counts)
+        dist.all_to_all_single(recv_counts, counts, group=self.group)
+        splits = torch.cat([counts.view(world, n_local).sum(1), recv_counts.view(world, n_local).sum(1)])
+        splits = splits.tolist()  # the one host sync: split sizes are Python ints
+        send, recv = splits[:world], splits[world:]
+        n_send, n_recv = sum(send), sum(recv)
+
+        x_recv = x_sorted.new_empty((n_recv, x_sorted.shape[1]))
+        dist.all_to_all_single(_as_bytes(x_recv), _as_bytes(x_sorted[:n_send]), recv, send, group=self.group)
+
+        # rows arrive grouped by source, each source's rows grouped by local expert
+        local_ids = torch.arange(n_local, device=counts.device).repeat(world)
+        local_ids = torch.repeat_interleave(local_ids, recv_counts, output_size=n_recv)
+        ones = torch.ones(n_recv, 1, dtype=torch.float32, device=x_recv.device)
+        ex = self.local_experts
+        y = torch.ops.fp8_moe.grouped_experts(x_recv, local_ids[:, None], ones, *ex._op_args())
+
+        y_sorted = torch.empty_like(x_sorted)
+        dist.all_to_all_single(_as_bytes(y_sorted[:n_send]), _as_bytes(y), send, recv, group=self.group)
+        return y_sorted
+
+    def _check(self, hidden_states, top_k_index, top_k_weights) -> None:
+        H = self.local_experts.hidden_size
+        if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 2 or hidden_states.shape[1] != H:
+            got = tuple(hidden_states.shape) if isinstance(hidden_states, torch.Tensor) else type(hidden_states)
+            raise ValueError(f"hidden_states: expected a 2-D (T, {H}) tensor, got {got}")
+        if hidden_states.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise TypeError(f"hidden_states: expected bfloat16/float16/float32, got {hidden_states.dtype}")
+        T = hidden_states.shape[0]
+        if not isinstance(top_k_index, torch.Tensor) or top_k_index.dim() != 2 or top_k_index.shape[0] != T:
+            got = tuple(top_k_index.shape) if isinstance(top_k_index, torch.Tensor) else type(top_k_index)
+            raise ValueError(f"top_k_index: expected a 2-D ({T}, k) tensor, got {got}")
+        if top_k_index.dtype.is_floating_point or top_k_index.dtype == torch.bool or top_k_index.is_complex():
+            raise TypeError(f"top_k_index: expected an integer tensor, got {top_k_index.dtype}")
+        if not isinstance(top_k_weights, torch.Tensor) or top_k_weights.shape != top_k_index.shape:
+            got = tuple(top_k_weights.shape) if isinstance(top_k_weights, torch.Tensor) else type(top_k_weights)
+            raise ValueError(f"top_k_weights: expected shape {tuple(top_k_index.shape)}, got {got}")
+        if not top_k_weights.is_floating_point():
+            raise TypeError(f"top_k_weights: expected a float tensor, got {top_k_weights.dtype}")
+
+    def extra_repr(self) -> str:
+        return f"num_experts={self.num_experts}, rank={self.rank}, world_size={self.world_size}"
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A (rows, cols) tensor as (rows, cols * itemsize) uint8: every backend moves bytes
+    (gloo has no bfloat16/fp8 all-to-all); the split sizes stay in rows."""
+    return t.view(torch.uint8)
