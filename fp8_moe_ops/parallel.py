@@ -17,7 +17,8 @@ Data flow of :class:`ExpertParallel` on every rank (S = T_r * k slots; see docs/
    already in the activation dtype change nothing).
 5. ``all_to_all_single`` sends the outputs back; the source puts them in slot order and
    ``routing.combine`` weights and sums them in float32 in ascending expert id and rounds
-   once: the single-process ``FP8Experts`` numerics.
+   once: the single-process ``FP8Experts`` numerics (on CUDA with the single-GPU op's own
+   combine kernel).
 
 Under ``torch.compile`` the transport (steps 2-4: split sizes are data) runs as an
 eager island (``torch.compiler.disable``); the routing before it and the combine after
@@ -117,7 +118,7 @@ class ExpertParallel(nn.Module):
         x_sorted = hidden_states[perm // k]  # (S, H); sentinel slots trail and are never sent
         y_sorted = self._remote_experts(x_sorted, counts)  # (S, H); rows past sum(counts) unset
         y_slots = torch.empty_like(y_sorted).index_copy_(0, perm, y_sorted)  # back to slot order
-        return combine(y_slots, top_k_index, top_k_weights, self.num_experts, hidden_states.dtype)
+        return _combine(y_slots, top_k_index, top_k_weights, self.num_experts, hidden_states.dtype)
 
     @torch.compiler.disable
     def _remote_experts(self, x_sorted: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -167,6 +168,23 @@ class ExpertParallel(nn.Module):
 
     def extra_repr(self) -> str:
         return f"num_experts={self.num_experts}, rank={self.rank}, world_size={self.world_size}"
+
+
+def _combine(y, top_k_index, top_k_weights, num_experts: int, out_dtype: torch.dtype) -> torch.Tensor:
+    """``routing.combine``; eagerly on CUDA the single-GPU op's own combine kernel, which
+    sums term by term the same way in one pass (the torch version makes about 2k passes
+    over (T, H) float32, milliseconds at large T; compiled, Inductor fuses it)."""
+    if not y.is_cuda or torch.compiler.is_compiling() or y.shape[0] == 0:
+        return combine(y, top_k_index, top_k_weights, num_experts, out_dtype)
+    from .kernels.combine import _combine_kernel, combine_launch_shape
+
+    T, k = top_k_index.shape
+    H = y.shape[1]
+    out = torch.empty((T, H), dtype=out_dtype, device=y.device)
+    grid, kp, block_h = combine_launch_shape(T, H, k)
+    _combine_kernel[grid](y, top_k_index.contiguous(), top_k_weights.contiguous(), out, H, num_experts,
+                          TOPK=k, KP=kp, BLOCK_H=block_h, enable_fp_fusion=False)
+    return out
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
