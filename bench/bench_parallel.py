@@ -285,7 +285,8 @@ def run_bench(dev, world, tokens, kinds, budget_s):
                 results.append(dict(routing=kind, T=T, per_rank=everyone, ep_ms=max(r["ep_ms"] for r in everyone),
                                     a2a_ms=max(r["a2a_ms"] for r in everyone)))
                 log(f"{kind:8s} T={T:6d} ep {results[-1]['ep_ms']:.3f} ms  a2a {results[-1]['a2a_ms']:.3f} ms  "
-                    f"expert ms {[round(r['expert_ms'], 3) for r in everyone]}  rows {[r['rows_served'] for r in everyone]}")
+                    f"expert ms {[round(r['expert_ms'], 3) for r in everyone]}  "
+                    f"rows {[r['rows_served'] for r in everyone]}")
             del x_sorted, x_recv, ids, ones, perm
     del ep, local
     if CUDA:

@@ -7,6 +7,8 @@ outputs with the single-process ``FP8Experts`` (grouped dispatch) on the same to
 """
 
 import os
+import subprocess
+import sys
 import traceback
 
 import pytest
@@ -193,3 +195,11 @@ def test_shard_experts_bad_input():
         shard_experts(full, 2, 2)
     with pytest.raises(ValueError, match="rank"):
         shard_experts(full, -1, 2)
+
+
+def test_package_import_leaves_parallel_out():
+    """``import fp8_moe_ops`` stays light: the parallel module (and torch._dynamo, which
+    its compile boundary imports) load only when asked for."""
+    code = "import sys, fp8_moe_ops; print('fp8_moe_ops.parallel' in sys.modules, 'torch._dynamo' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "False"]
