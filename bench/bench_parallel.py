@@ -15,9 +15,10 @@ blocks), random weights quantised on the GPU with ``fp8_moe_ops.quantize_weight`
   Exit code 1 on any mismatch.
 * timings (skip with ``--no-bench``), for T tokens per GPU and uniform / skewed routing:
   ``ep_ms`` the layer on 2 GPUs (median of CUDA-event times, the slower rank),
-  ``a2a_ms`` the same transport (counts, tokens out, results back) with no expert
-  compute (its share of the layer), ``expert_ms`` each rank's local grouped op on the
-  rows it received, peak transient memory and resident weights per GPU; then rank 0
+  ``a2a_ms`` the transport alone (counts, tokens out, results back, with the local op
+  replaced by an identity: its share of the layer), ``overhead_ms`` the whole call with
+  that identity (all but the experts), ``expert_ms`` each rank's local grouped op on
+  the slots it received, peak transient memory and resident weights per GPU; then rank 0
   alone runs the full 256-expert ``FP8Experts`` on its T tokens (``one_gpu_ms``).
   ``x_time = ep_ms / one_gpu_ms`` (2T tokens on 2 GPUs vs T on one) and ``x_tput = 2 /
   x_time``.
@@ -49,7 +50,6 @@ import torch.distributed as dist  # noqa: E402
 import fp8_moe_ops  # noqa: E402
 from fp8_moe_ops import FP8Experts  # noqa: E402
 from fp8_moe_ops.parallel import ExpertParallel, shard_experts  # noqa: E402
-from fp8_moe_ops.routing import sort_slots  # noqa: E402
 
 E, H, I, K = 256, 7168, 2048, 8  # --dims changes them (tiny dims rehearse the script on CPU over gloo)
 BLOCK = [128, 128]
@@ -218,21 +218,36 @@ def peak_mb(fn) -> float:
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
-def transport(ep: ExpertParallel, x_sorted, counts):
-    """ExpertParallel's transport alone, same sizes, no expert compute: returns
-    (x_recv, local_ids) for timing the local grouped op separately."""
-    world, n_local = ep.world_size, ep.local_experts.num_experts
-    recv_counts = torch.empty_like(counts)
-    dist.all_to_all_single(recv_counts, counts)
-    splits = torch.cat([counts.view(world, n_local).sum(1), recv_counts.view(world, n_local).sum(1)]).tolist()
-    send, recv = splits[:world], splits[world:]
-    x_recv = x_sorted.new_empty((sum(recv), H))
-    dist.all_to_all_single(x_recv.view(torch.uint8), x_sorted[:sum(send)].view(torch.uint8), recv, send)
-    back = torch.empty_like(x_sorted)
-    dist.all_to_all_single(back[:sum(send)].view(torch.uint8), x_recv.view(torch.uint8), send, recv)
-    ids = torch.repeat_interleave(torch.arange(n_local, device=counts.device).repeat(world), recv_counts,
-                                  output_size=sum(recv))
-    return x_recv, ids
+def layer_parts(ep: ExpertParallel, x, idx, w, iters):
+    """(a2a_ms, overhead_ms, expert_ms, rows served) of one EP layer call on this rank.
+
+    a2a_ms: the transport island alone (three all-to-alls, the host sync, unpacking),
+    with the local expert op replaced by an identity (same sizes back); overhead_ms: the
+    whole call with that identity (everything but the experts); expert_ms: the local op
+    alone on the slots this rank received."""
+    rec = {}
+    remote, serve = ep._remote_experts, ep._serve
+
+    def recording_remote(*a):
+        rec["remote"] = a
+        return remote(*a)
+
+    def recording_serve(*a):
+        rec["serve"] = a
+        return serve(*a)
+
+    ep._remote_experts, ep._serve = recording_remote, recording_serve  # instance attributes shadow
+    try:
+        ep(x, idx, w)
+        ep._serve = lambda xs, ids: xs
+        del ep._remote_experts
+        a2a_ms = time_ms(lambda: remote(*rec["remote"]), iters)
+        overhead_ms = time_ms(lambda: ep(x, idx, w), iters)
+    finally:
+        ep.__dict__.pop("_serve", None)
+        ep.__dict__.pop("_remote_experts", None)
+    expert_ms = time_ms(lambda: serve(*rec["serve"]), iters)
+    return a2a_ms, overhead_ms, expert_ms, rec["serve"][0].shape[0]
 
 
 def iters_for(T):
@@ -268,26 +283,18 @@ def run_bench(dev, world, tokens, kinds, budget_s):
             first_s = time.monotonic() - first
             ep_ms = time_ms(lambda: ep(x, idx, w), iters_for(T))
             mem = peak_mb(lambda: ep(x, idx, w))
-            perm, offsets = sort_slots(idx, E)
-            counts = torch.diff(offsets.long(), prepend=offsets.new_zeros(1).long())
-            x_sorted = x[perm // K]
-            a2a_ms = time_ms(lambda: transport(ep, x_sorted, counts), iters_for(T))
-            x_recv, ids = transport(ep, x_sorted, counts)
-            ones = torch.ones(x_recv.shape[0], 1, device=dev)
-            args = local._op_args()
-            expert_ms = time_ms(lambda: torch.ops.fp8_moe.grouped_experts(x_recv, ids[:, None], ones, *args),
-                                iters_for(T))
-            row = dict(routing=kind, T=T, rank=RANK, ep_ms=ep_ms, a2a_ms=a2a_ms, expert_ms=expert_ms,
-                       rows_served=x_recv.shape[0], peak_mb=mem, first_call_s=first_s)
+            a2a_ms, overhead_ms, expert_ms, served = layer_parts(ep, x, idx, w, iters_for(T))
+            row = dict(routing=kind, T=T, rank=RANK, ep_ms=ep_ms, a2a_ms=a2a_ms, overhead_ms=overhead_ms,
+                       expert_ms=expert_ms, rows_served=served, peak_mb=mem, first_call_s=first_s)
             everyone = [None] * world
             dist.all_gather_object(everyone, row)
             if RANK == 0:
                 results.append(dict(routing=kind, T=T, per_rank=everyone, ep_ms=max(r["ep_ms"] for r in everyone),
-                                    a2a_ms=max(r["a2a_ms"] for r in everyone)))
+                                    a2a_ms=max(r["a2a_ms"] for r in everyone),
+                                    overhead_ms=max(r["overhead_ms"] for r in everyone)))
                 log(f"{kind:8s} T={T:6d} ep {results[-1]['ep_ms']:.3f} ms  a2a {results[-1]['a2a_ms']:.3f} ms  "
                     f"expert ms {[round(r['expert_ms'], 3) for r in everyone]}  "
                     f"rows {[r['rows_served'] for r in everyone]}")
-            del x_sorted, x_recv, ids, ones, perm
     del ep, local
     if CUDA:
         torch.cuda.empty_cache()
@@ -316,9 +323,9 @@ def write(out_dir, meta, checks_ok, bench):
              f"Equality check: {'not run' if checks_ok is None else 'passed' if checks_ok else 'FAILED'}", ""]
     if results:
         lines += [f"Weights per GPU: {weight_gb:.2f} GiB (2 GPUs) vs {full_gb:.2f} GiB (one GPU).", "",
-                  "| routing | T per GPU | 2 GPUs ms | a2a ms | a2a share | expert ms r0 / r1 | rows served r0 / r1 "
-                  "| 1 GPU ms (T) | x time | x throughput | peak MB r0 / r1 | 1 GPU peak MB |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| routing | T per GPU | 2 GPUs ms | a2a ms | a2a share | all but experts ms | expert ms r0 / r1 "
+                  "| slots served r0 / r1 | 1 GPU ms (T) | x time | x throughput | peak MB r0 / r1 | 1 GPU peak MB |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in results:
             pr = r["per_rank"]
             expert = " / ".join("%.3f" % p["expert_ms"] for p in pr)
@@ -326,7 +333,7 @@ def write(out_dir, meta, checks_ok, bench):
             peaks = " / ".join("%.0f" % p["peak_mb"] for p in pr)
             lines.append(
                 f"| {r['routing']} | {r['T']} | {r['ep_ms']:.3f} | {r['a2a_ms']:.3f} | {r['a2a_ms'] / r['ep_ms']:.0%} "
-                f"| {expert} | {served} | {r['one_gpu_ms']:.3f} | {r['x_time']:.2f} | {r['x_tput']:.2f} "
+                f"| {r['overhead_ms']:.3f} | {expert} | {served} | {r['one_gpu_ms']:.3f} | {r['x_time']:.2f} | {r['x_tput']:.2f} "
                 f"| {peaks} | {r['one_gpu_peak_mb']:.0f} |")
     if skipped:
         lines += ["", f"Skipped (time budget): {skipped}"]

@@ -2,27 +2,27 @@
 
 Data flow of :class:`ExpertParallel` on every rank (S = T_r * k slots; see docs/parallel.md):
 
-1. ``sort_slots`` orders the slots by global expert id (stable, sentinels last).  The
-   owner of expert ``e`` is rank ``e // E_local``, so this order is also by destination
-   rank and, inside a rank, by its local expert.
-2. ``all_to_all_single`` of the per-expert slot counts (E,): each rank learns how many
-   rows each peer sends to each of its local experts.  One host sync turns the per-rank
-   totals into split sizes.
-3. ``all_to_all_single`` of the slots' token rows (activation dtype, sent as bytes: gloo
-   has no bfloat16 or fp8).  The receiver knows each row's local expert from the counts
-   (rows arrive grouped by source, then expert), so no ids travel.
-4. The receiver runs ``torch.ops.fp8_moe.grouped_experts`` on the rows with top_k = 1
-   and weight 1.0: its output is each slot's down projection rounded to the activation
+1. The owner of expert ``e`` is rank ``e // E_local``.  Each token is sent once to each
+   rank that owns at least one of its experts (not once per slot): a row of its
+   activations (as bytes: gloo has no bfloat16 or fp8 all-to-all) followed by its k
+   local expert ids on that rank as int32, -1 for the slots elsewhere.  Rows are
+   ordered by destination rank, then token.
+2. ``all_to_all_single`` of the (rows, slots) counts per rank; one host sync turns them
+   into split sizes.  Then ``all_to_all_single`` of the rows.
+3. The receiver expands the rows into its valid slots, in (source, token, choice)
+   order, and runs ``torch.ops.fp8_moe.grouped_experts`` on them with top_k = 1 and
+   weight 1.0: its output is each slot's down projection rounded to the activation
    dtype, exactly (a float32 product by 1.0 and one rounding of a value that is
    already in the activation dtype change nothing).
-5. ``all_to_all_single`` sends the outputs back; the source puts them in slot order and
-   ``routing.combine`` weights and sums them in float32 in ascending expert id and rounds
-   once: the single-process ``FP8Experts`` numerics (on CUDA with the single-GPU op's own
-   combine kernel).
+4. ``all_to_all_single`` sends the per-slot outputs back; the source puts them in slot
+   order (they arrive by rank, token, choice: the stable sort of the slots by owner) and
+   ``routing.combine`` weights and sums them in float32 in ascending expert id and
+   rounds once: the single-process ``FP8Experts`` numerics (on CUDA with the
+   single-GPU op's own combine kernel).
 
 Under ``torch.compile`` the transport (steps 2-4: split sizes are data) runs as an
-eager island (``torch.compiler.disable``); the routing before it and the combine after
-it have shapes that depend on T_r and k only and compile.
+eager island (``torch.compiler.disable``); the packing before it and the combine after
+it have shapes that depend on T_r, k and the world size only and compile.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .modules import FP8Experts
-from .routing import combine, sort_slots
+from .routing import combine
 
 __all__ = ["ExpertParallel", "shard_experts"]
 
@@ -111,41 +111,61 @@ class ExpertParallel(nn.Module):
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         self._check(hidden_states, top_k_index, top_k_weights)
-        k = top_k_index.shape[1]
-        # perm: sorted position -> flat slot (token = slot // k); offsets (E,) inclusive cumsum
-        perm, offsets = sort_slots(top_k_index, self.num_experts)
-        counts = torch.diff(offsets.long(), prepend=offsets.new_zeros(1).long())  # (E,) slots per expert
-        x_sorted = hidden_states[perm // k]  # (S, H); sentinel slots trail and are never sent
-        y_sorted = self._remote_experts(x_sorted, counts)  # (S, H); rows past sum(counts) unset
-        y_slots = torch.empty_like(y_sorted).index_copy_(0, perm, y_sorted)  # back to slot order
+        T, k = top_k_index.shape
+        world, n_local = self.world_size, self.local_experts.num_experts
+        ids = top_k_index.long()
+        owner = torch.where((ids >= 0) & (ids < self.num_experts), ids // n_local, world)  # (T, k); world: nowhere
+        ranks = torch.arange(world, device=ids.device)
+        hit = (owner[None] == ranks[:, None, None]).any(-1)  # (world, T): token t has a slot on rank r
+        # rows: (world*T,) sorted position -> r * T + t, the hits first, by rank then token
+        rows = torch.sort(torch.where(hit, ranks[:, None], world).flatten(), stable=True).indices
+        row_rank, row_tok = rows // max(T, 1), rows % max(T, 1)
+        # each row carries its token's local expert ids on that rank, -1 for the other slots
+        local = torch.where(owner[row_tok] == row_rank[:, None], ids[row_tok] - row_rank[:, None] * n_local, -1)
+        payload = torch.cat([_as_bytes(hidden_states[row_tok]), _as_bytes(local.to(torch.int32))], dim=1)
+        counts = torch.stack([hit.sum(1), (owner.view(1, -1) == ranks[:, None]).sum(1)], dim=1)  # (world, 2)
+        y_sorted = self._remote_experts(payload, counts, hidden_states.dtype, k)  # (T*k, H)
+        # the results come back by rank, token, choice: the stable sort of the slots by owner
+        slot_perm = torch.sort(owner.flatten(), stable=True).indices
+        y_slots = torch.empty_like(y_sorted).index_copy_(0, slot_perm, y_sorted)  # slot order
         return _combine(y_slots, top_k_index, top_k_weights, self.num_experts, hidden_states.dtype)
 
     @torch.compiler.disable
-    def _remote_experts(self, x_sorted: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """Sends the valid rows of ``x_sorted`` to their experts' ranks, serves the peers'
-        rows with the local experts, and returns each row's output in ``x_sorted`` order."""
-        world, n_local = self.world_size, self.local_experts.num_experts
-        # recv_counts[s * n_local + e]: rows source rank s sends to my local expert e
+    def _remote_experts(self, payload: torch.Tensor, counts: torch.Tensor, dtype: torch.dtype,
+                        k: int) -> torch.Tensor:
+        """Sends each rank its rows of ``payload`` (token bytes, then k int32 local ids),
+        serves the rows received with the local experts, one output row per local slot,
+        and returns the outputs of this rank's valid slots by (rank, token, choice),
+        followed by unset rows for the sentinel slots: (T*k, H)."""
+        world = self.world_size
+        H = self.local_experts.hidden_size
+        row_bytes = H * dtype.itemsize
+        # counts[r] = (rows, slots) this rank sends to rank r; recv_counts[s]: what s sends here
         recv_counts = torch.empty_like(counts)
         dist.all_to_all_single(recv_counts, counts, group=self.group)
-        splits = torch.cat([counts.view(world, n_local).sum(1), recv_counts.view(world, n_local).sum(1)])
-        splits = splits.tolist()  # the one host sync: split sizes are Python ints
-        send, recv = splits[:world], splits[world:]
-        n_send, n_recv = sum(send), sum(recv)
+        sizes = torch.cat([counts, recv_counts]).tolist()  # the one host sync: split sizes are ints
+        send_rows, send_slots = [c[0] for c in sizes[:world]], [c[1] for c in sizes[:world]]
+        recv_rows, recv_slots = [c[0] for c in sizes[world:]], [c[1] for c in sizes[world:]]
 
-        x_recv = x_sorted.new_empty((n_recv, x_sorted.shape[1]))
-        dist.all_to_all_single(_as_bytes(x_recv), _as_bytes(x_sorted[:n_send]), recv, send, group=self.group)
+        recv = payload.new_empty((sum(recv_rows), payload.shape[1]))
+        dist.all_to_all_single(recv, payload[:sum(send_rows)], recv_rows, send_rows, group=self.group)
 
-        # rows arrive grouped by source, each source's rows grouped by local expert
-        local_ids = torch.arange(n_local, device=counts.device).repeat(world)
-        local_ids = torch.repeat_interleave(local_ids, recv_counts, output_size=n_recv)
-        ones = torch.ones(n_recv, 1, dtype=torch.float32, device=x_recv.device)
-        ex = self.local_experts
-        y = torch.ops.fp8_moe.grouped_experts(x_recv, local_ids[:, None], ones, *ex._op_args())
+        # the received slots in (source, token, choice) order: the valid ids first, stably
+        local = recv[:, row_bytes:].contiguous().view(torch.int32).flatten()
+        slot = torch.sort((local < 0).to(torch.uint8), stable=True).indices[:sum(recv_slots)]
+        x = recv[:, :row_bytes][slot // k].view(dtype)
+        y = self._serve(x, local[slot])
 
-        y_sorted = torch.empty_like(x_sorted)
-        dist.all_to_all_single(_as_bytes(y_sorted[:n_send]), _as_bytes(y), send, recv, group=self.group)
+        y_sorted = torch.empty((payload.shape[0] // world * k, H), dtype=dtype, device=payload.device)
+        dist.all_to_all_single(_as_bytes(y_sorted[:sum(send_slots)]), _as_bytes(y), send_slots, recv_slots,
+                               group=self.group)
         return y_sorted
+
+    def _serve(self, x: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
+        """The local experts on received rows x (n, H), one local expert id each: each
+        row's down projection rounded to x's dtype (top_k = 1, weight 1.0: exact)."""
+        ones = torch.ones(x.shape[0], 1, dtype=torch.float32, device=x.device)
+        return torch.ops.fp8_moe.grouped_experts(x, local_ids[:, None], ones, *self.local_experts._op_args())
 
     def _check(self, hidden_states, top_k_index, top_k_weights) -> None:
         H = self.local_experts.hidden_size

@@ -141,6 +141,15 @@ def test_single_process_group(tmp_path):
         ep = ExpertParallel(shard_experts(full, 0, 1), E)
         hidden, idx, weights = rank_inputs("caller_sentinels", 0)
         assert torch.equal(ep(hidden, idx, weights), full(hidden, idx, weights))
+        # each token travels once per rank (here: once if any of its ids is valid), not once per slot
+        seen = []
+        remote = ep._remote_experts
+        ep._remote_experts = lambda payload, counts, *a: seen.append(counts) or remote(payload, counts, *a)
+        ep(hidden, idx, weights)
+        del ep._remote_experts
+        valid = (idx >= 0) & (idx < E)
+        assert seen[0].tolist() == [[int(valid.any(1).sum()), int(valid.sum())]]
+        assert int(valid.any(1).sum()) < int(valid.sum())  # the case has tokens with several slots
         with pytest.raises(ValueError, match="num_experts"):
             ExpertParallel(shard_experts(full, 0, 1), E + 1)
         with pytest.raises(TypeError, match="local_experts"):
