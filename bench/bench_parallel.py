@@ -349,7 +349,7 @@ def main() -> int:
     p.add_argument("--routings", default="uniform,skewed")
     p.add_argument("--check", action="store_true", help="run the equality checks first")
     p.add_argument("--no-bench", action="store_true")
-    p.add_argument("--budget-s", type=float, default=270.0, help="start no timing configuration after this")
+    p.add_argument("--budget-s", type=float, default=240.0, help="start no timing configuration after this")
     p.add_argument("--dims", default=f"{E},{H},{I},{K}", help="E,H,I,top_k (default deepseek_v3)")
     args = p.parse_args()
     E, H, I, K = (int(v) for v in args.dims.split(","))
