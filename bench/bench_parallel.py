@@ -143,13 +143,13 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).norm().item() / d if d else (a - b).norm().item()
 
 
-def run_checks(dev, world) -> bool:
+def run_checks(dev, world) -> tuple[bool, list[dict]]:
     full = build_experts(dev)
     static_full = with_static_scales(full)
     eps = {False: ExpertParallel(shard_experts(full, RANK, world), E),
            True: ExpertParallel(shard_experts(static_full, RANK, world), E)}
     compiled = torch.compile(eps[False])
-    ok = True
+    ok, report = True, []
     for i, (name, tokens, dtype, static, kind, comp) in enumerate(CHECKS):
         ref_mod = static_full if static else full
         calls = [0, 1] if comp else [0]  # compiled: a second call with other T
@@ -167,13 +167,14 @@ def run_checks(dev, world) -> bool:
         for r, rr in enumerate(everyone):
             for row in rr:
                 ok &= row["ok"]
+                report.append(dict(check=name, rank=r, dtype=str(dtype), **row))
                 if RANK == 0:
                     log(f"check {name:20s} rank {r} T={row['T']:5d} {str(dtype):15s} rel_err={row['rel_err']:.2e} "
                         f"bitwise={row['bitwise']} {'ok' if row['ok'] else 'MISMATCH'}")
     del eps, compiled, static_full, full
     if CUDA:
         torch.cuda.empty_cache()
-    return ok
+    return ok, report
 
 
 # --------------------------------------------------------------------------- timing
@@ -261,7 +262,9 @@ def stop_now(budget_s) -> bool:
     return bool(flag.item())
 
 
-def run_bench(dev, world, tokens, kinds, budget_s):
+def run_bench(dev, world, tokens, kinds, budget_s, save):
+    """The timings; rank 0 calls ``save(partial result)`` after each configuration, so a
+    failure or timeout later keeps what was measured."""
     full = build_experts(dev)
     local = shard_experts(full, RANK, world)
     if RANK != 0:
@@ -294,7 +297,8 @@ def run_bench(dev, world, tokens, kinds, budget_s):
                                     overhead_ms=max(r["overhead_ms"] for r in everyone)))
                 log(f"{kind:8s} T={T:6d} ep {results[-1]['ep_ms']:.3f} ms  a2a {results[-1]['a2a_ms']:.3f} ms  "
                     f"expert ms {[round(r['expert_ms'], 3) for r in everyone]}  "
-                    f"rows {[r['rows_served'] for r in everyone]}")
+                    f"slots {[r['rows_served'] for r in everyone]}  first call {first_s:.1f} s")
+                save((results, skipped, weight_gb, None))
     del ep, local
     if CUDA:
         torch.cuda.empty_cache()
@@ -308,9 +312,14 @@ def run_bench(dev, world, tokens, kinds, budget_s):
             row["x_time"] = row["ep_ms"] / row["one_gpu_ms"]
             row["x_tput"] = 2 / row["x_time"]
             log(f"{row['routing']:8s} T={row['T']:6d} one GPU {row['one_gpu_ms']:.3f} ms  x_time {row['x_time']:.3f}")
+            save((results, skipped, weight_gb, full_weight_gb))
         del full
     dist.barrier()
     return (results, skipped, weight_gb, full_weight_gb) if RANK == 0 else None
+
+
+def _fmt(row, key, spec):
+    return "—" if key not in row else format(row[key], spec)
 
 
 def write(out_dir, meta, checks_ok, bench):
@@ -322,7 +331,8 @@ def write(out_dir, meta, checks_ok, bench):
     lines = [f"Command: `{meta['command']}`  ({meta['date']}, {meta['device']})", "",
              f"Equality check: {'not run' if checks_ok is None else 'passed' if checks_ok else 'FAILED'}", ""]
     if results:
-        lines += [f"Weights per GPU: {weight_gb:.2f} GiB (2 GPUs) vs {full_gb:.2f} GiB (one GPU).", "",
+        full = "not measured yet" if full_gb is None else f"{full_gb:.2f} GiB"
+        lines += [f"Weights per GPU: {weight_gb:.2f} GiB (2 GPUs) vs {full} (one GPU).", "",
                   "| routing | T per GPU | 2 GPUs ms | a2a ms | a2a share | all but experts ms | expert ms r0 / r1 "
                   "| slots served r0 / r1 | 1 GPU ms (T) | x time | x throughput | peak MB r0 / r1 | 1 GPU peak MB |",
                   "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -333,8 +343,8 @@ def write(out_dir, meta, checks_ok, bench):
             peaks = " / ".join("%.0f" % p["peak_mb"] for p in pr)
             lines.append(
                 f"| {r['routing']} | {r['T']} | {r['ep_ms']:.3f} | {r['a2a_ms']:.3f} | {r['a2a_ms'] / r['ep_ms']:.0%} "
-                f"| {r['overhead_ms']:.3f} | {expert} | {served} | {r['one_gpu_ms']:.3f} | {r['x_time']:.2f} | {r['x_tput']:.2f} "
-                f"| {peaks} | {r['one_gpu_peak_mb']:.0f} |")
+                f"| {r['overhead_ms']:.3f} | {expert} | {served} | {_fmt(r, 'one_gpu_ms', '.3f')} "
+                f"| {_fmt(r, 'x_time', '.2f')} | {_fmt(r, 'x_tput', '.2f')} | {peaks} | {_fmt(r, 'one_gpu_peak_mb', '.0f')} |")
     if skipped:
         lines += ["", f"Skipped (time budget): {skipped}"]
     with open(os.path.join(out_dir, "bench_parallel.md"), "w") as f:
@@ -374,12 +384,14 @@ def main() -> int:
                                                 "NVSHMEM_DISABLE_NVLS")})
     checks_ok = None
     if args.check:
-        checks_ok = run_checks(dev, world)
+        checks_ok, meta["checks"] = run_checks(dev, world)
         log(f"equality checks {'passed' if checks_ok else 'FAILED'}")
+        if RANK == 0:
+            write(args.out_dir, meta, checks_ok, None)
     bench = None
     if not args.no_bench:
         bench = run_bench(dev, world, [int(t) for t in args.tokens.split(",")], args.routings.split(","),
-                          args.budget_s)
+                          args.budget_s, lambda partial: write(args.out_dir, meta, checks_ok, partial))
     if RANK == 0:
         write(args.out_dir, meta, checks_ok, bench)
         log(f"wrote {args.out_dir}/bench_parallel.json and .md")
