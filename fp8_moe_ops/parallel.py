@@ -1,0 +1,213 @@
+"""Expert parallelism: each rank holds E/world experts; routed slots travel to them and back.
+
+Data flow of :class:`ExpertParallel` on every rank (S = T_r * k slots; see docs/parallel.md):
+
+1. The owner of expert ``e`` is rank ``e // E_local``.  Each token is sent once to each
+   rank that owns at least one of its experts (not once per slot): a row of its
+   activations (as bytes: gloo has no bfloat16 or fp8 all-to-all) followed by its k
+   local expert ids on that rank as int32, -1 for the slots elsewhere.  Rows are
+   ordered by destination rank, then token.
+2. ``all_to_all_single`` of the (rows, slots) counts per rank; one host sync turns them
+   into split sizes.  Then ``all_to_all_single`` of the rows.
+3. The receiver expands the rows into its valid slots, in (source, token, choice)
+   order, and runs ``torch.ops.fp8_moe.grouped_experts`` on them with top_k = 1 and
+   weight 1.0: its output is each slot's down projection rounded to the activation
+   dtype, exactly (a float32 product by 1.0 and one rounding of a value that is
+   already in the activation dtype change nothing).
+4. ``all_to_all_single`` sends the per-slot outputs back; the source puts them in slot
+   order (they arrive by rank, token, choice: the stable sort of the slots by owner) and
+   ``routing.combine`` weights and sums them in float32 in ascending expert id and
+   rounds once: the single-process ``FP8Experts`` numerics (on CUDA with the
+   single-GPU op's own combine kernel).
+
+Under ``torch.compile`` the transport (steps 2-4: split sizes are data) runs as an
+eager island (``torch.compiler.disable``); the packing before it and the combine after
+it have shapes that depend on T_r, k and the world size only and compile.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .modules import FP8Experts
+from .routing import combine
+
+__all__ = ["ExpertParallel", "shard_experts"]
+
+_PARAMS = ("gate_up_proj", "gate_up_proj_scale_inv", "down_proj", "down_proj_scale_inv",
+           "gate_up_proj_activation_scale", "down_proj_activation_scale")
+
+
+def shard_experts(experts: FP8Experts, rank: int, world_size: int) -> FP8Experts:
+    """The experts ``[rank * E/world_size, (rank + 1) * E/world_size)`` of ``experts``.
+
+    Weights, weight scales and static activation scales are sliced along the expert
+    dimension and copied (so the full module's storage can be freed); every other
+    setting (block size, activation, scheme, dispatch, swiglu limit) is kept.
+
+    Raises:
+        TypeError: ``experts`` is not an ``FP8Experts``.
+        ValueError: ``world_size`` < 1, ``rank`` outside [0, world_size), or E not a
+            multiple of ``world_size``.
+    """
+    if not isinstance(experts, FP8Experts):
+        raise TypeError(f"experts: expected an FP8Experts, got {type(experts).__name__}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size: expected a positive int, got {world_size!r}")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(f"rank: expected an int in [0, {world_size}), got {rank!r}")
+    E = experts.num_experts
+    if E % world_size:
+        raise ValueError(f"world_size: expected a divisor of num_experts={E}, got {world_size}")
+    n = E // world_size
+    lo = rank * n
+    local = FP8Experts(n, experts.hidden_size, experts.intermediate_size, experts.block_size, experts.activation,
+                       experts.activation_scheme, experts.dispatch, experts.gate_up_proj_scale_inv.dtype,
+                       experts.swiglu_limit, device="meta")
+    for name in _PARAMS:
+        full = getattr(experts, name)
+        if full is not None:
+            setattr(local, name, nn.Parameter(full.detach()[lo:lo + n].clone(), requires_grad=False))
+    return local
+
+
+class ExpertParallel(nn.Module):
+    """Runs this rank's tokens through experts spread over the ranks of ``group``.
+
+    Args:
+        local_experts: this rank's ``FP8Experts`` (``shard_experts(full, rank, world)``),
+            holding global experts ``[rank * E_local, (rank + 1) * E_local)``.
+        num_experts: E, the global number of experts (``E_local * world_size``).
+        group: the process group (``None``: the default group).  Every rank of the group
+            must call ``forward`` the same number of times (it is collective), each with
+            its own tokens; NCCL needs the tensors on the rank's current CUDA device.
+
+    ``forward(hidden_states (T_r, H), top_k_index (T_r, k) global expert ids,
+    top_k_weights (T_r, k)) -> (T_r, H)``, in the dtype of ``hidden_states``, equal to the
+    full single-process ``FP8Experts`` on the same tokens up to float32 summation order.
+    T_r may differ between ranks and be 0.  Ids outside [0, num_experts) are sentinels:
+    they are not sent anywhere and contribute exactly 0.
+    """
+
+    def __init__(self, local_experts: FP8Experts, num_experts: int, group=None):
+        super().__init__()
+        if not isinstance(local_experts, FP8Experts):
+            raise TypeError(f"local_experts: expected an FP8Experts, got {type(local_experts).__name__}")
+        if not dist.is_available() or not dist.is_initialized():
+            raise ValueError("group: expected an initialised torch.distributed process group, got none "
+                             "(call torch.distributed.init_process_group first)")
+        self.world_size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        if isinstance(num_experts, bool) or not isinstance(num_experts, int) \
+                or num_experts != local_experts.num_experts * self.world_size:
+            raise ValueError(f"num_experts: expected local_experts.num_experts * world_size = "
+                             f"{local_experts.num_experts} * {self.world_size}, got {num_experts!r}")
+        self.local_experts = local_experts
+        self.num_experts = num_experts
+        self.group = group
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        self._check(hidden_states, top_k_index, top_k_weights)
+        T, k = top_k_index.shape
+        world, n_local = self.world_size, self.local_experts.num_experts
+        ids = top_k_index.long()
+        owner = torch.where((ids >= 0) & (ids < self.num_experts), ids // n_local, world)  # (T, k); world: nowhere
+        ranks = torch.arange(world, device=ids.device)
+        hit = (owner[None] == ranks[:, None, None]).any(-1)  # (world, T): token t has a slot on rank r
+        # rows: (world*T,) sorted position -> r * T + t, the hits first, by rank then token
+        rows = torch.sort(torch.where(hit, ranks[:, None], world).flatten(), stable=True).indices
+        row_rank, row_tok = rows // max(T, 1), rows % max(T, 1)
+        # each row carries its token's local expert ids on that rank, -1 for the other slots
+        local = torch.where(owner[row_tok] == row_rank[:, None], ids[row_tok] - row_rank[:, None] * n_local, -1)
+        payload = torch.cat([_as_bytes(hidden_states[row_tok]), _as_bytes(local.to(torch.int32))], dim=1)
+        counts = torch.stack([hit.sum(1), (owner.view(1, -1) == ranks[:, None]).sum(1)], dim=1)  # (world, 2)
+        y_sorted = self._remote_experts(payload, counts, hidden_states.dtype, k)  # (T*k, H)
+        # the results come back by rank, token, choice: the stable sort of the slots by owner
+        slot_perm = torch.sort(owner.flatten(), stable=True).indices
+        y_slots = torch.empty_like(y_sorted).index_copy_(0, slot_perm, y_sorted)  # slot order
+        return _combine(y_slots, top_k_index, top_k_weights, self.num_experts, hidden_states.dtype)
+
+    @torch.compiler.disable
+    def _remote_experts(self, payload: torch.Tensor, counts: torch.Tensor, dtype: torch.dtype,
+                        k: int) -> torch.Tensor:
+        """Sends each rank its rows of ``payload`` (token bytes, then k int32 local ids),
+        serves the rows received with the local experts, one output row per local slot,
+        and returns the outputs of this rank's valid slots by (rank, token, choice),
+        followed by unset rows for the sentinel slots: (T*k, H)."""
+        world = self.world_size
+        H = self.local_experts.hidden_size
+        row_bytes = H * dtype.itemsize
+        # counts[r] = (rows, slots) this rank sends to rank r; recv_counts[s]: what s sends here
+        recv_counts = torch.empty_like(counts)
+        dist.all_to_all_single(recv_counts, counts, group=self.group)
+        sizes = torch.cat([counts, recv_counts]).tolist()  # the one host sync: split sizes are ints
+        send_rows, send_slots = [c[0] for c in sizes[:world]], [c[1] for c in sizes[:world]]
+        recv_rows, recv_slots = [c[0] for c in sizes[world:]], [c[1] for c in sizes[world:]]
+
+        recv = payload.new_empty((sum(recv_rows), payload.shape[1]))
+        dist.all_to_all_single(recv, payload[:sum(send_rows)], recv_rows, send_rows, group=self.group)
+
+        # the received slots in (source, token, choice) order: the valid ids first, stably
+        local = recv[:, row_bytes:].contiguous().view(torch.int32).flatten()
+        slot = torch.sort((local < 0).to(torch.uint8), stable=True).indices[:sum(recv_slots)]
+        x = recv[:, :row_bytes][slot // k].view(dtype)
+        y = self._serve(x, local[slot])
+
+        y_sorted = torch.empty((payload.shape[0] // world * k, H), dtype=dtype, device=payload.device)
+        dist.all_to_all_single(_as_bytes(y_sorted[:sum(send_slots)]), _as_bytes(y), send_slots, recv_slots,
+                               group=self.group)
+        return y_sorted
+
+    def _serve(self, x: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
+        """The local experts on received rows x (n, H), one local expert id each: each
+        row's down projection rounded to x's dtype (top_k = 1, weight 1.0: exact)."""
+        ones = torch.ones(x.shape[0], 1, dtype=torch.float32, device=x.device)
+        return torch.ops.fp8_moe.grouped_experts(x, local_ids[:, None], ones, *self.local_experts._op_args())
+
+    def _check(self, hidden_states, top_k_index, top_k_weights) -> None:
+        H = self.local_experts.hidden_size
+        if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 2 or hidden_states.shape[1] != H:
+            got = tuple(hidden_states.shape) if isinstance(hidden_states, torch.Tensor) else type(hidden_states)
+            raise ValueError(f"hidden_states: expected a 2-D (T, {H}) tensor, got {got}")
+        if hidden_states.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise TypeError(f"hidden_states: expected bfloat16/float16/float32, got {hidden_states.dtype}")
+        T = hidden_states.shape[0]
+        if not isinstance(top_k_index, torch.Tensor) or top_k_index.dim() != 2 or top_k_index.shape[0] != T:
+            got = tuple(top_k_index.shape) if isinstance(top_k_index, torch.Tensor) else type(top_k_index)
+            raise ValueError(f"top_k_index: expected a 2-D ({T}, k) tensor, got {got}")
+        if top_k_index.dtype.is_floating_point or top_k_index.dtype == torch.bool or top_k_index.is_complex():
+            raise TypeError(f"top_k_index: expected an integer tensor, got {top_k_index.dtype}")
+        if not isinstance(top_k_weights, torch.Tensor) or top_k_weights.shape != top_k_index.shape:
+            got = tuple(top_k_weights.shape) if isinstance(top_k_weights, torch.Tensor) else type(top_k_weights)
+            raise ValueError(f"top_k_weights: expected shape {tuple(top_k_index.shape)}, got {got}")
+        if not top_k_weights.is_floating_point():
+            raise TypeError(f"top_k_weights: expected a float tensor, got {top_k_weights.dtype}")
+
+    def extra_repr(self) -> str:
+        return f"num_experts={self.num_experts}, rank={self.rank}, world_size={self.world_size}"
+
+
+def _combine(y, top_k_index, top_k_weights, num_experts: int, out_dtype: torch.dtype) -> torch.Tensor:
+    """``routing.combine``; eagerly on CUDA the single-GPU op's own combine kernel, which
+    sums term by term the same way in one pass (the torch version makes about 2k passes
+    over (T, H) float32, milliseconds at large T; compiled, Inductor fuses it)."""
+    if not y.is_cuda or torch.compiler.is_compiling() or y.shape[0] == 0:
+        return combine(y, top_k_index, top_k_weights, num_experts, out_dtype)
+    from .kernels.combine import _combine_kernel, combine_launch_shape
+
+    T, k = top_k_index.shape
+    H = y.shape[1]
+    out = torch.empty((T, H), dtype=out_dtype, device=y.device)
+    grid, kp, block_h = combine_launch_shape(T, H, k)
+    _combine_kernel[grid](y, top_k_index.contiguous(), top_k_weights.contiguous(), out, H, num_experts,
+                          TOPK=k, KP=kp, BLOCK_H=block_h, enable_fp_fusion=False)
+    return out
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A (rows, cols) tensor as (rows, cols * itemsize) uint8: every backend moves bytes
+    (gloo has no bfloat16/fp8 all-to-all); the split sizes stay in rows."""
+    return t.view(torch.uint8)

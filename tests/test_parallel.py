@@ -1,0 +1,215 @@
+"""Expert parallelism (fp8_moe_ops.parallel) on CPU: two processes over gloo against one
+process holding all experts, plus shard_experts and bad input.
+
+The two workers run every case once (one spawn for the module: starting a process and
+importing torch costs seconds) and save their outputs; each test compares one case's
+outputs with the single-process ``FP8Experts`` (grouped dispatch) on the same tokens.
+"""
+
+import os
+import subprocess
+import sys
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch._dynamo.utils import counters
+
+from fp8_moe_ops import FP8Experts
+from fp8_moe_ops.parallel import ExpertParallel, shard_experts
+
+from helpers import assert_agree, make_expert_weights, make_routing
+
+E, H, I, K = 8, 64, 32, 3
+BLOCK = (32, 32)
+WORLD = 2
+TIMEOUT_S = 240
+
+# name: (tokens per rank, dtype, static scheme, routing kind per rank, compiled)
+CASES = {
+    "uneven": ((7, 3), torch.bfloat16, False, ("uniform", "uniform"), False),  # T differs per rank
+    "rank_without_tokens": ((0, 5), torch.bfloat16, False, ("uniform", "uniform"), False),  # T_r = 0
+    "static": ((6, 4), torch.bfloat16, True, ("uniform", "uniform"), False),  # per-expert act scales
+    "caller_sentinels": ((9, 6), torch.bfloat16, False, ("sentinel", "sentinel"), False),  # ids -1, E+3
+    "one_rank_all_sentinels": ((4, 5), torch.bfloat16, False, ("uniform", "all_sentinel"), False),
+    "all_on_expert_0": ((5, 4), torch.float16, False, ("one", "one"), False),  # rank 1 serves nothing
+    "fp32": ((5, 8), torch.float32, False, ("uniform", "uniform"), False),
+    "fp16_static": ((3, 7), torch.float16, True, ("sentinel", "uniform"), False),
+    "compiled": ((6, 2), torch.bfloat16, False, ("sentinel", "uniform"), True),
+}
+
+
+def full_experts(static: bool) -> FP8Experts:
+    """The same E experts in every process (seeded): the single-process reference."""
+    gen = torch.Generator().manual_seed(0)
+    mod = FP8Experts(E, H, I, BLOCK, activation_scheme="static" if static else "dynamic", dispatch="grouped")
+    mod.gate_up_proj.data, mod.gate_up_proj_scale_inv.data = make_expert_weights(E, 2 * I, H, BLOCK, gen=gen)
+    mod.down_proj.data, mod.down_proj_scale_inv.data = make_expert_weights(E, H, I, BLOCK, gen=gen)
+    if static:
+        mod.gate_up_proj_activation_scale.data = torch.rand(E, generator=gen) * 0.01 + 0.005
+        mod.down_proj_activation_scale.data = torch.rand(E, generator=gen) * 0.002 + 0.0005
+    return mod
+
+
+def rank_inputs(case: str, rank: int, calls: int = 0):
+    """(hidden (T_r, H), top_k_index (T_r, K), top_k_weights) of one rank in one case."""
+    tokens, dtype, _, kinds, _ = CASES[case]
+    T = tokens[rank] + calls  # a compiled module is also called with other T
+    gen = torch.Generator().manual_seed(1000 * list(CASES).index(case) + 10 * rank + calls)
+    kind = kinds[rank]
+    idx, weights = make_routing(T, K, E, "uniform" if kind == "all_sentinel" else kind, gen=gen)
+    if kind == "all_sentinel":
+        idx = torch.where(idx % 2 == 0, -5, E + idx)
+    return torch.randn(T, H, generator=gen).to(dtype), idx, weights
+
+
+def _worker(rank: int, store_path: str, out_dir: str) -> None:
+    try:
+        store = dist.FileStore(store_path, WORLD)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD)
+        torch.set_num_threads(1)
+        for case, (_, _, static, _, compiled) in CASES.items():
+            ep = ExpertParallel(shard_experts(full_experts(static), rank, WORLD), E)
+            run = torch.compile(ep) if compiled else ep
+            outs = [run(*rank_inputs(case, rank, calls)) for calls in range(2 if compiled else 1)]
+            if compiled:  # which graph breaks dynamo took, by reason
+                outs.append(list(counters["graph_break"]))
+            torch.save(outs, os.path.join(out_dir, f"{case}_{rank}.pt"))
+        dist.destroy_process_group()
+    except BaseException:
+        with open(os.path.join(out_dir, f"error_{rank}.txt"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+
+
+@pytest.fixture(scope="module")
+def ep_outputs(tmp_path_factory):
+    """{(case, rank): [outputs]} from two gloo processes."""
+    tmp = tmp_path_factory.mktemp("ep")
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_worker, args=(r, str(tmp / "store"), str(tmp))) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(TIMEOUT_S)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    errors = [f.read_text() for f in sorted(tmp.glob("error_*.txt"))]
+    assert not errors and all(p.exitcode == 0 for p in procs), (
+        [p.exitcode for p in procs], "\n".join(errors))
+    return {(case, r): torch.load(tmp / f"{case}_{r}.pt") for case in CASES for r in range(WORLD)}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_two_ranks_equal_one_process(ep_outputs, case):
+    tokens, dtype, static, _, compiled = CASES[case]
+    full = full_experts(static)
+    for rank in range(WORLD):
+        outs = ep_outputs[case, rank]
+        if compiled:
+            # the transport is the one graph break; routing and combine are compiled
+            breaks = outs.pop()
+            assert len(breaks) == 1 and "_remote_experts" in breaks[0], breaks
+        for calls, out in enumerate(outs):
+            hidden, idx, weights = rank_inputs(case, rank, calls)
+            ref = full(hidden, idx, weights)
+            assert out.shape == (tokens[rank] + calls, H) and out.dtype == dtype
+            assert_agree(out, ref)
+            if dtype != torch.float32:
+                # The same roundings in the same order give the same 16-bit result here; a
+                # second rounding (e.g. of a partial sum) would fit the bound above but not
+                # this.  float32 keeps the last-bit position effect of CPU SIMD exp
+                # (tests/helpers.py, AGREE_BOUND), so only the bound holds there.
+                assert torch.equal(out, ref), (case, rank, calls)
+        assert len(outs) == (2 if compiled else 1)
+
+
+def test_one_rank_all_sentinels_gives_zeros(ep_outputs):
+    out = ep_outputs["one_rank_all_sentinels", 1][0]
+    assert out.abs().sum() == 0
+
+
+def test_single_process_group(tmp_path):
+    """World size 1 (in this process): every expert is local; also the constructor's checks."""
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        full = full_experts(False)
+        ep = ExpertParallel(shard_experts(full, 0, 1), E)
+        hidden, idx, weights = rank_inputs("caller_sentinels", 0)
+        assert torch.equal(ep(hidden, idx, weights), full(hidden, idx, weights))
+        # each token travels once per rank (here: once if any of its ids is valid), not once per slot
+        seen = []
+        remote = ep._remote_experts
+        ep._remote_experts = lambda payload, counts, *a: seen.append(counts) or remote(payload, counts, *a)
+        ep(hidden, idx, weights)
+        del ep._remote_experts
+        valid = (idx >= 0) & (idx < E)
+        assert seen[0].tolist() == [[int(valid.any(1).sum()), int(valid.sum())]]
+        assert int(valid.any(1).sum()) < int(valid.sum())  # the case has tokens with several slots
+        with pytest.raises(ValueError, match="num_experts"):
+            ExpertParallel(shard_experts(full, 0, 1), E + 1)
+        with pytest.raises(TypeError, match="local_experts"):
+            ExpertParallel(torch.nn.Linear(2, 2), E)
+        with pytest.raises(ValueError, match="hidden_states"):
+            ep(hidden[:, :-1], idx, weights)
+        with pytest.raises(ValueError, match="top_k_index"):
+            ep(hidden, idx[:-1], weights)
+        with pytest.raises(TypeError, match="top_k_index"):
+            ep(hidden, idx.float(), weights)
+        with pytest.raises(ValueError, match="top_k_weights"):
+            ep(hidden, idx, weights[:, :-1])
+        with pytest.raises(TypeError, match="top_k_weights"):
+            ep(hidden, idx, idx)
+        with pytest.raises(TypeError, match="hidden_states"):
+            ep(hidden.long(), idx, weights)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_expert_parallel_needs_a_process_group():
+    assert not dist.is_initialized()
+    with pytest.raises(ValueError, match="group"):
+        ExpertParallel(shard_experts(full_experts(False), 0, 2), E)
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_shard_experts_slices_every_tensor(static):
+    full = full_experts(static)
+    shards = [shard_experts(full, r, 4) for r in range(4)]
+    for name, p in full.named_parameters():
+        parts = [getattr(s, name) for s in shards]
+        assert all(q.shape[0] == E // 4 and q.dtype == p.dtype and not q.requires_grad for q in parts)
+        assert torch.equal(torch.cat([q.view(torch.uint8) if q.element_size() == 1 else q for q in parts]),
+                           p.view(torch.uint8) if p.element_size() == 1 else p), name
+        assert parts[1].data_ptr() != p.data_ptr()  # copies: the full module can be freed
+    s = shards[2]
+    assert (s.num_experts, s.hidden_size, s.intermediate_size) == (E // 4, H, I)
+    assert (s.block_size, s.activation_scheme, s.dispatch) == (list(BLOCK), full.activation_scheme, "grouped")
+    assert (s.gate_up_proj_activation_scale is None) == (not static)
+
+
+def test_shard_experts_bad_input():
+    full = full_experts(False)
+    with pytest.raises(TypeError, match="experts"):
+        shard_experts(torch.nn.Linear(2, 2), 0, 2)
+    with pytest.raises(ValueError, match=r"world_size: expected a divisor of num_experts=8, got 3"):
+        shard_experts(full, 0, 3)
+    with pytest.raises(ValueError, match="world_size"):
+        shard_experts(full, 0, 0)
+    with pytest.raises(ValueError, match=r"rank: expected an int in \[0, 2\), got 2"):
+        shard_experts(full, 2, 2)
+    with pytest.raises(ValueError, match="rank"):
+        shard_experts(full, -1, 2)
+
+
+def test_package_import_leaves_parallel_out():
+    """``import fp8_moe_ops`` stays light: the parallel module (and torch._dynamo, which
+    its compile boundary imports) load only when asked for."""
+    code = ("import sys, torch; before = 'torch._dynamo' in sys.modules; import fp8_moe_ops; "
+            "print('fp8_moe_ops.parallel' in sys.modules, before == ('torch._dynamo' in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "True"]
