@@ -370,8 +370,6 @@ def _check_weight_list(name: str, ws, scale_name: str, scales, block_size, count
     """``count`` (N, K) e4m3 matrices and their grids, all of one shape, dtype, device,
     layout and scale grid (the kernel reads every expert with the first one's strides)."""
     for n, v in ((name, ws), (scale_name, scales)):
-        if not isinstance(v, (list, tuple)):
-            _fail(TypeError, n, "a list of Tensors", type(v).__name__)
         if len(v) != count:
             _fail(ValueError, n, f"{count} tensors", f"{len(v)}")
     w0, s0 = ws[0], scales[0]
@@ -381,13 +379,12 @@ def _check_weight_list(name: str, ws, scale_name: str, scales, block_size, count
     s_meta = (s0.shape, s0.dtype, s0.device, s0.stride())
     for i in range(1, count):
         w, s = ws[i], scales[i]
-        if not isinstance(w, torch.Tensor) or (w.shape, w.dtype, w.device) != w_meta or not w.is_contiguous():
+        if (w.shape, w.dtype, w.device) != w_meta or not w.is_contiguous():
             _check_weight(f"{name}[{i}]", w, f"{scale_name}[{i}]", s, block_size, experts=False)
             _fail(ValueError, f"{name}[{i}]",
                   f"shape {tuple(w0.shape)}, dtype {w0.dtype} on {w0.device} (those of {name}[0])",
                   f"shape {tuple(w.shape)}, dtype {w.dtype} on {w.device}")
-        if not isinstance(s, torch.Tensor) or (s.shape, s.dtype, s.device, s.stride()) != s_meta:
-            _check_tensor(f"{scale_name}[{i}]", s)
+        if (s.shape, s.dtype, s.device, s.stride()) != s_meta:
             _fail(ValueError if s.dtype == s0.dtype else TypeError, f"{scale_name}[{i}]",
                   f"shape {tuple(s0.shape)}, strides {s0.stride()}, dtype {s0.dtype} on {s0.device} "
                   f"(those of {scale_name}[0])",
@@ -399,17 +396,16 @@ def check_experts_list(hidden, top_k_index, top_k_weights, gate_up_proj, gate_up
                        swiglu_limit) -> None:
     _check_routing(hidden, top_k_index, top_k_weights)
     H = hidden.shape[1]
-    if not isinstance(down_proj, (list, tuple)) or not down_proj:
-        _fail(ValueError, "down_proj", "a non-empty list of Tensors (one (H, I) matrix per expert)", down_proj)
+    if not down_proj:
+        _fail(ValueError, "down_proj", "a non-empty list (one (H, I) matrix per expert)", "[]")
     E = len(down_proj)
     _check_weight_list("down_proj", down_proj, "down_scale_inv", down_scale_inv, block_size, E)
     h_out, I = down_proj[0].shape
     if h_out != H:
         _fail(ValueError, "down_proj[0]", f"shape ({H}, I) (H from hidden)", _shape(down_proj[0]))
-    if not isinstance(gate_up_proj, (list, tuple)) or len(gate_up_proj) not in (E, 2 * E):
-        got = len(gate_up_proj) if isinstance(gate_up_proj, (list, tuple)) else type(gate_up_proj).__name__
+    if len(gate_up_proj) not in (E, 2 * E):
         _fail(ValueError, "gate_up_proj", f"{E} fused (2I, H) tensors or {2 * E} separate (I, H) "
-              f"(E = {E} from down_proj)", got)
+              f"(E = {E} from down_proj)", f"{len(gate_up_proj)}")
     count = len(gate_up_proj)
     _check_weight_list("gate_up_proj", gate_up_proj, "gate_up_scale_inv", gate_up_scale_inv, block_size, count)
     want = (2 * I, H) if count == E else (I, H)

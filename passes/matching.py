@@ -36,6 +36,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 LINEAR = torch.ops.fp8_moe.linear.default
 GROUPED = torch.ops.fp8_moe.grouped_experts.default
+GROUPED_LIST = torch.ops.fp8_moe.grouped_experts_list.default
 _VIEWS = (aten.reshape.default, aten.view.default, aten._unsafe_view.default)
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 
