@@ -140,7 +140,7 @@ def test_cuda_graph_capture_after_one_eager_call():
         out = OPS.grouped_experts_list(**dict(lists, hidden=static_hidden))
     graph.replay()
     assert torch.equal(out, eager)
-    new_hidden = torch.randn_like(static_hidden)
+    new_hidden = torch.randn(static_hidden.shape, generator=torch.Generator().manual_seed(1)).to(static_hidden)
     static_hidden.copy_(new_hidden)
     graph.replay()
     assert torch.equal(out, OPS.grouped_experts_list(**dict(lists, hidden=new_hidden)))
@@ -156,6 +156,11 @@ def test_capture_without_a_table_is_a_clear_error():
             OPS.grouped_experts_list(**fresh)
 
 
+def _negated(w):
+    """-w of an e4m3 tensor (a new tensor): the sign bit flipped."""
+    return w.view(torch.uint8).bitwise_xor(0x80).view(torch.float8_e4m3fn)
+
+
 def test_replaced_parameter_gets_a_new_table():
     m = _ModuleListMoE(4, 256, 128).cuda()
     args = _inputs(32, 4, 256, 2, seed=2)
@@ -165,13 +170,13 @@ def test_replaced_parameter_gets_a_new_table():
         tables = len(moe_list._TABLES)
         # a new tensor (new address) for one expert's gate weight: the next call reads it
         w1 = m.experts[2].w1
-        w1.weight = nn.Parameter(-w1.weight.detach().clone(), requires_grad=False)
+        w1.weight = nn.Parameter(_negated(w1.weight.detach()), requires_grad=False)
         second = c(*args)
         assert len(moe_list._TABLES) == tables + 1
         assert not torch.equal(first, second)
         assert torch.equal(second, OPS.grouped_experts(*args, *m.stacked(), [128, 128]))
         # updated in place: same addresses, same table, the new values
-        m.experts[0].w2.weight.copy_(-m.experts[0].w2.weight)
+        m.experts[0].w2.weight.view(torch.uint8).bitwise_xor_(0x80)  # negated in place
         third = c(*args)
         assert len(moe_list._TABLES) == tables + 1
         assert torch.equal(third, OPS.grouped_experts(*args, *m.stacked(), [128, 128]))

@@ -168,16 +168,28 @@ def test_address_table_cached_per_set_of_tensors():
 
     a = _lists()
     lists = (a["gate_up_proj"], a["gate_up_scale_inv"], a["down_proj"], a["down_scale_inv"])
-    table = address_table(lists, torch.device("cpu"))
+    table, aligned = address_table(lists, torch.device("cpu"))
     want = [t.data_ptr() for ts in lists for t in ts]
     assert table.dtype == torch.int64 and table.tolist() == want
+    assert aligned  # rows of (E, N, K) tensors with N * K a multiple of 16
     # the same tensors (in new lists, as each call passes them): the same table, not rebuilt
-    assert address_table(tuple(list(ts) for ts in lists), torch.device("cpu")) is table
+    assert address_table(tuple(list(ts) for ts in lists), torch.device("cpu"))[0] is table
     # updated in place: the addresses hold, so does the table
     a["down_proj"][1].view(torch.uint8).add_(1)
-    assert address_table(lists, torch.device("cpu")) is table
+    assert address_table(lists, torch.device("cpu"))[0] is table
     # a replaced tensor: a new table with its address
     new_w = a["down_proj"][1].clone()
     replaced = (lists[0], lists[1], [lists[2][0], new_w, *lists[2][2:]], lists[3])
-    other = address_table(replaced, torch.device("cpu"))
+    other, _ = address_table(replaced, torch.device("cpu"))
     assert other is not table and other[2 * 4 + 1].item() == new_w.data_ptr()  # after 4 + 4 gate_up entries
+
+
+def test_address_table_knows_unaligned_weights():
+    # a weight view starting 8 bytes into a buffer: the kernel must not be told "16-byte aligned"
+    from fp8_moe_ops.kernels.moe_list import address_table
+
+    a = _lists()
+    buf = torch.empty(64 * 32 + 8, dtype=torch.float8_e4m3fn)
+    odd = buf[8:].view(64, 32)
+    lists = (a["gate_up_proj"], a["gate_up_scale_inv"], [odd, *a["down_proj"][1:]], a["down_scale_inv"])
+    assert not address_table(lists, torch.device("cpu"))[1]

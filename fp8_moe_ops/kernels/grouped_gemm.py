@@ -62,7 +62,7 @@ def _grouped_gemm_kernel(
     TOPK: tl.constexpr, BN_SCALE: tl.constexpr, BK_SCALE: tl.constexpr,
     GATHER_A: tl.constexpr, SCATTER_OUT: tl.constexpr, STATIC: tl.constexpr,
     SCALE_E8M0: tl.constexpr, HAS_OFFSETS: tl.constexpr, W_SCALE_PER_TILE: tl.constexpr,
-    W_TABLE: tl.constexpr,
+    W_TABLE: tl.constexpr, W_ALIGN: tl.constexpr,  # W_ALIGN: bytes every table address is a multiple of
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EP: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -126,7 +126,8 @@ def _grouped_gemm_kernel(
     a_ptrs = a_ptr + arow[:, None] * stride_am + offs_k[None, :]
     if W_TABLE:
         # per-expert tensors where they are: their addresses, one table entry per expert
-        w_base = tl.load(w_ptr + e64).to(tl.pointer_type(tl.float8e4nv))
+        # the alignment hint keeps the weight loads as wide as with one stacked tensor
+        w_base = tl.multiple_of(tl.load(w_ptr + e64).to(tl.pointer_type(tl.float8e4nv)), W_ALIGN)
         if SCALE_E8M0:
             ws_base = tl.load(ws_ptr + e64).to(tl.pointer_type(tl.uint8))
         else:
@@ -182,6 +183,7 @@ class WeightTable(NamedTuple):
     scale_rows: int  # rows of each grid (1: one scale per matrix or one block of rows)
     scale_strides: tuple  # (row, column) strides of each grid, 0 for a size-1 dim
     scale_e8m0: bool  # UE8M0 grids (read as bytes), else float32
+    align: int  # every weight address is a multiple of this many bytes (16, or 1)
 
 
 def max_row_tiles(S: int, E: int, BM: int, has_offsets: bool) -> int:

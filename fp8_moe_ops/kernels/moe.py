@@ -118,6 +118,7 @@ def _gemm(q, q_scale, w, w_scale, block, out, *, offsets=None, perm=None, gather
     num_pid_m = max_row_tiles(S, E, BM, offsets is not None)
     grid = (num_pid_m * triton.cdiv(N, BN),)
     table = isinstance(w, WeightTable)
+    align = w.align if table else 16
     if table:
         ws_strides, one_scale_row, e8m0 = (0, *w.scale_strides), w.scale_rows == 1, w.scale_e8m0
         w, ws = w.w, w.scale
@@ -135,7 +136,7 @@ def _gemm(q, q_scale, w, w_scale, block, out, *, offsets=None, perm=None, gather
         K=K, TOPK=topk, BN_SCALE=bn, BK_SCALE=bk,
         GATHER_A=gather_a, SCATTER_OUT=scatter_out, STATIC=static,
         SCALE_E8M0=e8m0, HAS_OFFSETS=offsets is not None,
-        W_SCALE_PER_TILE=bn % BN == 0 or one_scale_row, W_TABLE=table,
+        W_SCALE_PER_TILE=bn % BN == 0 or one_scale_row, W_TABLE=table, W_ALIGN=align,
         BM=BM, BN=BN, BK=block_k(bk), EP=_ep(E), GROUP_M=cfg["GROUP_M"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )

@@ -35,8 +35,9 @@ from .moe import _block, _gemm, experts_forward
 
 __all__ = ["grouped_experts_list"]
 
-# (device, first tensors' layouts, addresses) -> the int64 device table of those addresses
-_TABLES: dict[tuple, torch.Tensor] = {}
+# (device, first tensors' layouts, addresses) -> (the int64 device table of those
+# addresses, whether every weight address is a multiple of 16 bytes)
+_TABLES: dict[tuple, tuple[torch.Tensor, bool]] = {}
 
 _data_ptr = torch.Tensor.data_ptr
 
@@ -45,30 +46,35 @@ def _layout(w: torch.Tensor, s: torch.Tensor) -> tuple:
     return tuple(w.shape), tuple(s.shape), s.stride(), s.dtype
 
 
-def address_table(lists: tuple, device: torch.device) -> torch.Tensor:
-    """The cached (sum of list lengths,) int64 table of the tensors' addresses on ``device``.
+def address_table(lists: tuple, device: torch.device) -> tuple[torch.Tensor, bool]:
+    """The cached (sum of list lengths,) int64 table of the tensors' addresses on
+    ``device``, and whether the weights' (lists 0 and 2) addresses are all 16-byte aligned
+    (separate allocations always are; views into one tensor may not be).
 
     Raises RuntimeError when the table does not exist yet and the current CUDA stream
     is capturing a graph."""
     key = (device, *[_layout(ws[0], ss[0]) for ws, ss in zip(lists[::2], lists[1::2])],
            *[tuple(map(_data_ptr, ts)) for ts in lists])
-    table = _TABLES.get(key)
-    if table is None:
+    entry = _TABLES.get(key)
+    if entry is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
                 "fp8_moe::grouped_experts_list: no address table for these expert tensors yet, and one cannot "
                 "be built while a CUDA graph is being captured; run one eager call with the same weights "
                 "before capturing (a replaced parameter needs one more eager call and a re-capture)")
-        table = torch.tensor([p for ts in lists for p in map(_data_ptr, ts)], dtype=torch.int64, device=device)
-        _TABLES[key] = table
-    return table
+        ptrs = key[-len(lists):]
+        table = torch.tensor([p for ts in ptrs for p in ts], dtype=torch.int64, device=device)
+        aligned = all(p % 16 == 0 for ts in ptrs[::2] for p in ts)
+        entry = _TABLES[key] = (table, aligned)
+    return entry
 
 
-def _weights(table: torch.Tensor, start: int, count: int, w0: torch.Tensor, s0: torch.Tensor, scale_start: int):
+def _weights(table, aligned: bool, start: int, count: int, w0: torch.Tensor, s0: torch.Tensor, scale_start: int):
     gn, gk = s0.shape
     sn, sk = s0.stride()
     return WeightTable(table[start:start + count], table[scale_start:scale_start + count], (count, *w0.shape), gn,
-                       (0 if gn == 1 else sn, 0 if gk == 1 else sk), s0.dtype == torch.float8_e8m0fnu)
+                       (0 if gn == 1 else sn, 0 if gk == 1 else sk), s0.dtype == torch.float8_e8m0fnu,
+                       16 if aligned else 1)
 
 
 def grouped_experts_list(hidden, top_k_index, top_k_weights, gate_up_proj, gate_up_scale_inv, down_proj,
@@ -81,16 +87,16 @@ def grouped_experts_list(hidden, top_k_index, top_k_weights, gate_up_proj, gate_
     block = _block(block_size)
     E, G = len(down_proj), len(gate_up_proj)
     I = down_proj[0].shape[1]
-    table = address_table((gate_up_proj, gate_up_scale_inv, down_proj, down_scale_inv), hidden.device)
-    down = _weights(table, 2 * G, E, down_proj[0], down_scale_inv[0], 2 * G + E)
+    table, aligned = address_table((gate_up_proj, gate_up_scale_inv, down_proj, down_scale_inv), hidden.device)
+    down = _weights(table, aligned, 2 * G, E, down_proj[0], down_scale_inv[0], 2 * G + E)
     if G == E:
-        gate_up = _weights(table, 0, E, gate_up_proj[0], gate_up_scale_inv[0], G)
+        gate_up = _weights(table, aligned, 0, E, gate_up_proj[0], gate_up_scale_inv[0], G)
 
         def gate_up_gemm(q, qs, h, **launch):
             _gemm(q, qs, gate_up, None, block, h, **launch)
     else:
-        gate = _weights(table, 0, E, gate_up_proj[0], gate_up_scale_inv[0], G)
-        up = _weights(table, E, E, gate_up_proj[0], gate_up_scale_inv[0], G + E)
+        gate = _weights(table, aligned, 0, E, gate_up_proj[0], gate_up_scale_inv[0], G)
+        up = _weights(table, aligned, E, E, gate_up_proj[0], gate_up_scale_inv[0], G + E)
 
         def gate_up_gemm(q, qs, h, **launch):
             _gemm(q, qs, gate, None, block, h[:, :I], config_n=2 * I, **launch)
