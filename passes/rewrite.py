@@ -15,7 +15,8 @@ from torch._dynamo.utils import counters
 from torch.fx import Graph, Node
 
 from .matching import (
-    GROUPED, GROUPED_LIST, LINEAR, META_ASSERT, Loop, Skip, accumulation_step, analyse, aten, collect_chain, is_call, same_size,
+    ACCUMULATIONS, GROUPED, GROUPED_LIST, LINEAR, META_ASSERT, Loop, Skip, accumulation_step, aten, collect_chain,
+    find_loop, is_call, prove, same_size,
     scalar_only, shape_of,
 )
 
@@ -65,25 +66,20 @@ def _operands(gm, loop: Loop):
     ``grouped_experts`` when the weights are the rows of stacked tensors, else lists of
     the per-expert nodes for ``grouped_experts_list`` (weights read where they are)."""
     iters = loop.iters
-    roles = [[it.gate_up[i] for it in iters] for i in range(len(iters[0].gate_up))]
-    down = [[it.down[0] for it in iters], [it.down[1] for it in iters]]
-    if len(roles) == 2:  # fused gate_up
+    gate_up = [[it.gate_up.weight for it in iters], [it.gate_up.scale for it in iters]]
+    down = [[it.down.weight for it in iters], [it.down.scale for it in iters]]
+    if iters[0].up is None:  # fused gate_up
         names = ("gate_up weights", "gate_up scales", "down weights", "down scales")
-        stacked = [_stacked(gm, nodes, what) for nodes, what in zip([*roles, *down], names)]
+        stacked = [_stacked(gm, nodes, what) for nodes, what in zip([*gate_up, *down], names)]
         if all(t is not None for t in stacked):
             return GROUPED, stacked
-        return GROUPED_LIST, [*roles, *down]
-    w1, s1, w3, s3 = roles  # separate gate (w1) and up (w3): every gate, then every up
-    return GROUPED_LIST, [w1 + w3, s1 + s3, *down]
+        return GROUPED_LIST, [*gate_up, *down]
+    # separate gate (w1) and up (w3): every gate, then every up
+    up = [[it.up.weight for it in iters], [it.up.scale for it in iters]]
+    return GROUPED_LIST, [gate_up[0] + up[0], gate_up[1] + up[1], *down]
 
 
 # --------------------------------------------------------------------------- rewrite
-
-
-def _fake_mode(graph: Graph):
-    from torch._guards import detect_fake_mode
-
-    return detect_fake_mode([n.meta["val"] for n in graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)])
 
 
 def _fake(gm, fake_mode, o):
@@ -110,10 +106,12 @@ def _rewrite(graph: Graph, loop: Loop) -> str:
     bs = first.block_size
     with unset_fake_temporarily(), torch.no_grad():
         op, operands = _operands(gm, loop)
-    fake_mode = _fake_mode(graph)
-    fakes = [_fake(gm, fake_mode, o) for o in operands]
-    name, _, _, limit = first.activation
+    from torch._guards import detect_fake_mode
+
     head = [first.hidden, first.top_k_index, first.top_k_weights]
+    fake_mode = detect_fake_mode([n.meta["val"] for n in head])
+    fakes = [_fake(gm, fake_mode, o) for o in operands]
+    name, limit = first.activation.name, first.activation.limit
     try:
         with fake_mode:
             out_val = op(*[n.meta["val"] for n in head], *fakes, bs, name, None, None, limit)
@@ -130,7 +128,7 @@ def _rewrite(graph: Graph, loop: Loop) -> str:
                 node = graph.get_attr(attr)
             node.meta["val"] = fakes[i]
             operands[i] = node
-    targets = sorted(loop.targets, key=lambda n: list(graph.nodes).index(n))
+    targets = sorted(loop.targets)  # graph order
     with graph.inserting_before(targets[0]):
         new = graph.call_function(op, (*head, *operands, bs, name, None, None, limit))
     new.meta["val"] = out_val
@@ -188,8 +186,7 @@ def _erase_dead_nonzeros(graph: Graph, nzs: list) -> None:
         else:
             if any(_other_nonzero_above(i, nz, down) for n in down for i in n.all_input_nodes):
                 continue
-            pos = {n: i for i, n in enumerate(graph.nodes)}
-            for n in sorted(down, key=pos.__getitem__, reverse=True):
+            for n in sorted(down, reverse=True):
                 graph.erase_node(n)
     graph.eliminate_dead_code()
 
@@ -200,24 +197,24 @@ def _erase_dead_nonzeros(graph: Graph, nzs: list) -> None:
 def _heads(graph: Graph) -> list:
     """First steps of accumulation chains (a step adding into something that is not
     itself a step).  A chain that forks is analysed once, from its head."""
-    return [n for n in graph.nodes
-            if accumulation_step(n) is not None and accumulation_step(accumulation_step(n)[0]) is None]
+    steps = sorted(n for t in ACCUMULATIONS for n in graph.find_nodes(op="call_function", target=t))
+    return [n for n in steps if accumulation_step(n) is not None and accumulation_step(accumulation_step(n).acc) is None]
 
 
 def rewrite_moe_loops(graph: Graph) -> int:
     """Rewrites every provable expert loop of ``graph``; returns how many."""
-    if not any(is_call(n, LINEAR) for n in graph.nodes):
+    if not graph.find_nodes(op="call_function", target=LINEAR):
         return 0
     done = 0
     for head in _heads(graph):
         if head._erased:  # dead code of an earlier rewrite
             continue
         steps = collect_chain(head)
-        pos = {n: i for i, n in enumerate(graph.nodes)}
+        candidate = find_loop(steps)
+        if candidate is None:
+            continue
         try:
-            loop = analyse(steps, pos)
-            if loop is None:
-                continue
+            loop = prove(candidate)
             op = _rewrite(graph, loop)
         except Skip as skip:
             kind = "static" if skip.static else "unsupported"
@@ -227,7 +224,7 @@ def rewrite_moe_loops(graph: Graph) -> int:
         counters["fp8_moe"]["loops_rewritten"] += 1
         done += 1
         log.info("fp8_moe_ops.passes: replaced a loop over %d experts with %s "
-                 "(activation=%s, swiglu_limit=%s, %s)", len(steps), op, loop.iters[0].activation[0],
-                 loop.iters[0].activation[3], "bitwise equal to eager" if loop.exact else
+                 "(activation=%s, swiglu_limit=%s, %s)", len(steps), op, loop.iters[0].activation.name,
+                 loop.iters[0].activation.limit, "bitwise equal to eager" if loop.exact else
                  "more accurate than the loop: fewer roundings")
     return done
