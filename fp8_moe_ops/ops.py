@@ -153,10 +153,10 @@ def check_batched_mm(x, w, w_scale_inv, expert_ids, block_size, act_scale=None, 
     _check_same_device(x=x, w=w, w_scale_inv=w_scale_inv, expert_ids=expert_ids, act_scale=act_scale)
 
 
-def check_experts(hidden, top_k_index, top_k_weights, gate_up_proj, gate_up_scale_inv, down_proj, down_scale_inv,
-                  block_size, activation, gate_up_act_scale, down_act_scale, swiglu_limit) -> None:
+def _check_routing(hidden, top_k_index, top_k_weights) -> None:
+    """hidden (T, H), top_k_index (T, k) int, top_k_weights (T, k) float."""
     _check_act("hidden", hidden)
-    T, H = hidden.shape
+    T = hidden.shape[0]
     _check_tensor("top_k_index", top_k_index)
     _check_tensor("top_k_weights", top_k_weights)
     if top_k_index.dtype not in _INDEX_DTYPES:
@@ -169,6 +169,21 @@ def check_experts(hidden, top_k_index, top_k_weights, gate_up_proj, gate_up_scal
         fail(TypeError, "top_k_weights", "dtype bfloat16, float16 or float32", top_k_weights.dtype)
     if top_k_weights.shape != top_k_index.shape:
         fail(ValueError, "top_k_weights", f"shape {tuple(top_k_index.shape)} (that of top_k_index)", shape_str(top_k_weights))
+
+
+def _check_experts_options(E, activation, gate_up_act_scale, down_act_scale, swiglu_limit) -> None:
+    if activation not in ACTIVATIONS:
+        fail(ValueError, "activation", f"one of {ACTIVATIONS}", repr(activation))
+    _check_act_scale("gate_up_act_scale", gate_up_act_scale, E, f"shape ({E},) (one scale per expert)")
+    _check_act_scale("down_act_scale", down_act_scale, E, f"shape ({E},) (one scale per expert)")
+    if swiglu_limit is not None and not swiglu_limit > 0:
+        fail(ValueError, "swiglu_limit", "None or a positive float", swiglu_limit)
+
+
+def check_experts(hidden, top_k_index, top_k_weights, gate_up_proj, gate_up_scale_inv, down_proj, down_scale_inv,
+                  block_size, activation, gate_up_act_scale, down_act_scale, swiglu_limit) -> None:
+    _check_routing(hidden, top_k_index, top_k_weights)
+    T, H = hidden.shape
     _check_weight("gate_up_proj", gate_up_proj, "gate_up_scale_inv", gate_up_scale_inv, block_size, experts=True)
     _check_weight("down_proj", down_proj, "down_scale_inv", down_scale_inv, block_size, experts=True)
     E, two_i, h_in = gate_up_proj.shape
@@ -178,12 +193,7 @@ def check_experts(hidden, top_k_index, top_k_weights, gate_up_proj, gate_up_scal
         fail(ValueError, "gate_up_proj", f"shape (E, 2I, {H}) (H from hidden)", shape_str(gate_up_proj))
     if tuple(down_proj.shape) != (E, H, two_i // 2):
         fail(ValueError, "down_proj", f"shape {(E, H, two_i // 2)} (E, H, I from gate_up_proj and hidden)", shape_str(down_proj))
-    if activation not in ACTIVATIONS:
-        fail(ValueError, "activation", f"one of {ACTIVATIONS}", repr(activation))
-    _check_act_scale("gate_up_act_scale", gate_up_act_scale, E, f"shape ({E},) (one scale per expert)")
-    _check_act_scale("down_act_scale", down_act_scale, E, f"shape ({E},) (one scale per expert)")
-    if swiglu_limit is not None and not swiglu_limit > 0:
-        fail(ValueError, "swiglu_limit", "None or a positive float", swiglu_limit)
+    _check_experts_options(E, activation, gate_up_act_scale, down_act_scale, swiglu_limit)
     _check_same_device(
         hidden=hidden, top_k_index=top_k_index, top_k_weights=top_k_weights, gate_up_proj=gate_up_proj,
         gate_up_scale_inv=gate_up_scale_inv, down_proj=down_proj, down_scale_inv=down_scale_inv,
@@ -337,3 +347,101 @@ def experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torc
     else:
         fail(ValueError, "dispatch", "'grouped' or 'batched'", repr(dispatch))
     return op(hidden, top_k_index, top_k_weights, *weights)
+
+
+# --------------------------------------------------------------------------- per-expert weight lists
+
+EXPERTS_LIST_SCHEMA = EXPERTS_SCHEMA.replace(
+    "Tensor gate_up_proj, Tensor gate_up_scale_inv, Tensor down_proj, Tensor down_scale_inv",
+    "Tensor[] gate_up_proj, Tensor[] gate_up_scale_inv, Tensor[] down_proj, Tensor[] down_scale_inv",
+)
+
+
+def _check_weight_list(name: str, ws, scale_name: str, scales, block_size, count: int) -> None:
+    """``count`` (N, K) e4m3 matrices and their grids, all of one shape, dtype, device,
+    layout and scale grid (the kernel reads every expert with the first one's strides)."""
+    for n, v in ((name, ws), (scale_name, scales)):
+        if len(v) != count:
+            fail(ValueError, n, f"{count} tensors", f"{len(v)}")
+    w0, s0 = ws[0], scales[0]
+    _check_weight(f"{name}[0]", w0, f"{scale_name}[0]", s0, block_size, experts=False)
+    _check_same_device(**{f"{name}[0]": w0, f"{scale_name}[0]": s0})
+    w_meta = (w0.shape, w0.dtype, w0.device)
+    s_meta = (s0.shape, s0.dtype, s0.device, s0.stride())
+    for i in range(1, count):
+        w, s = ws[i], scales[i]
+        if (w.shape, w.dtype, w.device) != w_meta or not w.is_contiguous():
+            _check_weight(f"{name}[{i}]", w, f"{scale_name}[{i}]", s, block_size, experts=False)
+            fail(ValueError, f"{name}[{i}]",
+                  f"shape {tuple(w0.shape)}, dtype {w0.dtype} on {w0.device} (those of {name}[0])",
+                  f"shape {tuple(w.shape)}, dtype {w.dtype} on {w.device}")
+        if (s.shape, s.dtype, s.device, s.stride()) != s_meta:
+            fail(ValueError if s.dtype == s0.dtype else TypeError, f"{scale_name}[{i}]",
+                  f"shape {tuple(s0.shape)}, strides {s0.stride()}, dtype {s0.dtype} on {s0.device} "
+                  f"(those of {scale_name}[0])",
+                  f"shape {tuple(s.shape)}, strides {s.stride()}, dtype {s.dtype} on {s.device}")
+
+
+def check_experts_list(hidden, top_k_index, top_k_weights, gate_up_proj, gate_up_scale_inv, down_proj,
+                       down_scale_inv, block_size, activation, gate_up_act_scale, down_act_scale,
+                       swiglu_limit) -> None:
+    _check_routing(hidden, top_k_index, top_k_weights)
+    H = hidden.shape[1]
+    if not down_proj:
+        fail(ValueError, "down_proj", "a non-empty list (one (H, I) matrix per expert)", "[]")
+    E = len(down_proj)
+    _check_weight_list("down_proj", down_proj, "down_scale_inv", down_scale_inv, block_size, E)
+    h_out, I = down_proj[0].shape
+    if h_out != H:
+        fail(ValueError, "down_proj[0]", f"shape ({H}, I) (H from hidden)", shape_str(down_proj[0]))
+    if len(gate_up_proj) not in (E, 2 * E):
+        fail(ValueError, "gate_up_proj", f"{E} fused (2I, H) tensors or {2 * E} separate (I, H) "
+              f"(E = {E} from down_proj)", f"{len(gate_up_proj)}")
+    count = len(gate_up_proj)
+    _check_weight_list("gate_up_proj", gate_up_proj, "gate_up_scale_inv", gate_up_scale_inv, block_size, count)
+    want = (2 * I, H) if count == E else (I, H)
+    if tuple(gate_up_proj[0].shape) != want:
+        fail(ValueError, "gate_up_proj[0]",
+              f"shape {want} ({'fused gate and up' if count == E else 'the gate, up separate'}; "
+              "H from hidden, I from down_proj)", shape_str(gate_up_proj[0]))
+    _check_experts_options(E, activation, gate_up_act_scale, down_act_scale, swiglu_limit)
+    _check_same_device(hidden=hidden, top_k_index=top_k_index, top_k_weights=top_k_weights,
+                       gate_up_proj=gate_up_proj[0], down_proj=down_proj[0], gate_up_act_scale=gate_up_act_scale,
+                       down_act_scale=down_act_scale)
+
+
+@torch.library.custom_op("fp8_moe::grouped_experts_list", mutates_args=(), schema=EXPERTS_LIST_SCHEMA)
+def grouped_experts_list(hidden, top_k_index, top_k_weights, gate_up_proj, gate_up_scale_inv, down_proj,
+                         down_scale_inv, block_size, activation="silu", gate_up_act_scale=None,
+                         down_act_scale=None, swiglu_limit=None):
+    """:func:`grouped_experts` reading each expert's weights where they are (no stacked copy).
+
+    ``down_proj`` / ``down_scale_inv``: E tensors (H, I) and their scale grids;
+    ``gate_up_proj`` / ``gate_up_scale_inv``: E fused (2I, H) tensors, or 2E (I, H):
+    every expert's gate, then every expert's up (Mixtral's w1 list, then w3)."""
+    args = (hidden, top_k_index, top_k_weights, gate_up_proj, gate_up_scale_inv, down_proj, down_scale_inv,
+            block_size, activation, gate_up_act_scale, down_act_scale, swiglu_limit)
+    check_experts_list(*args)
+    for name, scales in (("gate_up_scale_inv", gate_up_scale_inv), ("down_scale_inv", down_scale_inv)):
+        for i, s in enumerate(scales):
+            _check_scale_values(f"{name}[{i}]", s)
+    _check_scale_values("gate_up_act_scale", gate_up_act_scale)
+    _check_scale_values("down_act_scale", down_act_scale)
+    return reference.grouped_experts_list(*args)
+
+
+@grouped_experts_list.register_fake
+def _(hidden, top_k_index, top_k_weights, gate_up_proj, gate_up_scale_inv, down_proj, down_scale_inv,
+      block_size, activation="silu", gate_up_act_scale=None, down_act_scale=None, swiglu_limit=None):
+    check_experts_list(hidden, top_k_index, top_k_weights, gate_up_proj, gate_up_scale_inv, down_proj,
+                       down_scale_inv, block_size, activation, gate_up_act_scale, down_act_scale, swiglu_limit)
+    return torch.empty_like(hidden, memory_format=torch.contiguous_format)
+
+
+@grouped_experts_list.register_kernel("cuda")
+def _(hidden, top_k_index, top_k_weights, gate_up_proj, gate_up_scale_inv, down_proj, down_scale_inv,
+      block_size, activation="silu", gate_up_act_scale=None, down_act_scale=None, swiglu_limit=None):
+    args = (hidden, top_k_index, top_k_weights, gate_up_proj, gate_up_scale_inv, down_proj, down_scale_inv,
+            block_size, activation, gate_up_act_scale, down_act_scale, swiglu_limit)
+    check_experts_list(*args)
+    return _kernels().grouped_experts_list(*args)

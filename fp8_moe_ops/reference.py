@@ -120,7 +120,11 @@ def linear(
 ) -> torch.Tensor:
     """x (M, K) @ dequant(w (N, K))^T -> (M, N), activations quantised to fp8 first
     (dynamic per-token groups, or static with the one-element ``act_scale``)."""
-    bk = block_size[1]
+    return _linear_real(x, dequantize_weight(w, w_scale_inv, block_size), block_size[1], act_scale, out_dtype)
+
+
+def _linear_real(x, wd, bk, act_scale, out_dtype) -> torch.Tensor:
+    """:func:`linear` on the real (dequantised, float32) weight ``wd`` (N, K)."""
     # Elementwise ops keep the input's layout and the GEMM's summation order depends on
     # it: a contiguous copy makes the result independent of how x is strided.
     x = x.contiguous()
@@ -129,7 +133,6 @@ def linear(
         xd = dequantize_act(q, s, bk)
     else:
         xd = quantize_act_static(x, act_scale.reshape(())).float() * act_scale.float().reshape(())
-    wd = dequantize_weight(w, w_scale_inv, block_size)
     return (xd @ wd.t()).to(out_dtype or x.dtype)
 
 
@@ -274,5 +277,52 @@ def batched_experts(
         hidden, top_k_index, top_k_weights, gate_up_proj.shape[0],
         lambda x, ids: batched_mm(x, gate_up_proj, gate_up_scale_inv, ids, block_size, gate_up_act_scale),
         lambda a, ids: batched_mm(a, down_proj, down_scale_inv, ids, block_size, down_act_scale),
+        activation, swiglu_limit,
+    )
+
+
+def _list_grouped_mm(x, real_weight, N, offsets, block_size, act_scale=None) -> torch.Tensor:
+    """:func:`grouped_mm` with expert e's real (N, K) weight from ``real_weight(e)``,
+    dequantised only for experts with rows."""
+    S = x.shape[0]
+    out = x.new_zeros((S, N))
+    start = 0
+    for e, end in enumerate(offsets.tolist()):
+        end = min(end, S)
+        if end > start:
+            a = None if act_scale is None else act_scale[e]
+            out[start:end] = _linear_real(x[start:end], real_weight(e), block_size[1], a, None)
+        start = max(start, end)
+    return out
+
+
+def grouped_experts_list(
+    hidden, top_k_index, top_k_weights, gate_up_proj, gate_up_scale_inv, down_proj, down_scale_inv,
+    block_size, activation="silu", gate_up_act_scale=None, down_act_scale=None, swiglu_limit=None,
+) -> torch.Tensor:
+    """:func:`grouped_experts` on per-expert weight lists, expert by expert (no stacked copy).
+
+    ``down_proj`` / ``down_scale_inv``: E tensors (H, I) and their grids.
+    ``gate_up_proj`` / ``gate_up_scale_inv``: E fused (2I, H) matrices, or 2E (I, H)
+    matrices, the gate of every expert then the up of every expert (Mixtral's w1 then
+    w3); a separate gate and up act as their concatenation (in real weights), so the
+    result is bitwise that of :func:`grouped_experts` on the stacked tensors."""
+    E = len(down_proj)
+    separate = len(gate_up_proj) == 2 * E
+    H, I = down_proj[0].shape
+
+    def gate_up_real(e):
+        if separate:
+            return torch.cat([dequantize_weight(gate_up_proj[i], gate_up_scale_inv[i], block_size)
+                              for i in (e, E + e)])
+        return dequantize_weight(gate_up_proj[e], gate_up_scale_inv[e], block_size)
+
+    def down_real(e):
+        return dequantize_weight(down_proj[e], down_scale_inv[e], block_size)
+
+    return grouped_pipeline(
+        hidden, top_k_index, top_k_weights, E,
+        lambda x, offsets: _list_grouped_mm(x, gate_up_real, 2 * I, offsets, block_size, gate_up_act_scale),
+        lambda a, offsets: _list_grouped_mm(a, down_real, H, offsets, block_size, down_act_scale),
         activation, swiglu_limit,
     )

@@ -111,7 +111,6 @@ class _Matcher:
     def __init__(self):
         self.env: dict[str, torch.fx.Node] = {}
         self.limit: float | None = None
-        self.nodes: set[torch.fx.Node] = set()
 
     def node(self, t: torch.fx.Node, c) -> bool:
         if t.op == "placeholder":
@@ -125,17 +124,12 @@ class _Matcher:
             if not self.value(t.kwargs[k], c.kwargs[k]):
                 return False
         if t.target in _COMMUTATIVE and len(t.args) == 2:
-            saved = (dict(self.env), self.limit, set(self.nodes))
+            saved = (dict(self.env), self.limit)
             if self.value(t.args[0], c.args[0]) and self.value(t.args[1], c.args[1]):
-                self.nodes.add(c)
                 return True
-            self.env, self.limit, self.nodes = saved
-            ok = self.value(t.args[0], c.args[1]) and self.value(t.args[1], c.args[0])
-        else:
-            ok = all(self.value(a, b) for a, b in zip(t.args, c.args))
-        if ok:
-            self.nodes.add(c)
-        return ok
+            self.env, self.limit = saved
+            return self.value(t.args[0], c.args[1]) and self.value(t.args[1], c.args[0])
+        return all(self.value(a, b) for a, b in zip(t.args, c.args))
 
     def value(self, t, c) -> bool:
         if isinstance(t, torch.fx.Node):
@@ -163,7 +157,6 @@ class ActivationMatch:
     gate: torch.fx.Node
     up: torch.fx.Node
     limit: float | None
-    nodes: set  # candidate nodes the template covered
 
 
 def match_activation(node: torch.fx.Node, dtype: torch.dtype) -> ActivationMatch | None:
@@ -173,5 +166,5 @@ def match_activation(node: torch.fx.Node, dtype: torch.dtype) -> ActivationMatch
         gate, up = (p.target for p in t.graph.find_nodes(op="placeholder"))
         if m.node(t.output, node) and {gate, up} <= set(m.env):
             return ActivationMatch(t.activation, t.variant, t.spelling, m.env[gate], m.env[up],
-                                   m.limit if t.clamped else None, m.nodes)
+                                   m.limit if t.clamped else None)
     return None

@@ -13,8 +13,11 @@ What an unrolled loop looks like post-grad (one iteration, expert ``e``)::
                                                     # or index_add(acc, 0, tok, ...)
 
 The pass walks every accumulation chain (``index_put``/``index_add`` steps starting
-from a zero tensor), proves each step is such an iteration, proves the steps together
-cover experts ``0..E-1`` of the same weights, and only then rewrites.  Anything it
+from a zero tensor). :func:`find_loop` decides whether a chain is a loop over experts
+at all (rows from ``nonzero``, ``fp8_moe::linear`` inside: a :class:`Candidate`);
+:func:`prove` then proves each step is such an iteration (an :class:`Iteration`) and
+that the steps together cover experts ``0..E-1`` of the same weights (a :class:`Loop`),
+and only then does ``rewrite.py`` rewrite.  Anything it
 cannot prove is counted and logged, never rewritten: a wrong rewrite is the worst bug
 this package can have; a missed one costs only speed.
 """
@@ -23,19 +26,21 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch.fx import Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+import fp8_moe_ops.ops  # noqa: F401  (registers the torch.ops.fp8_moe ops read below)
+
 from .activations import match_activation
 
-# torch.ops.fp8_moe exists: the parent package fp8_moe_ops registered it before this
-# subpackage was imported.
 aten = torch.ops.aten
 prims = torch.ops.prims
 LINEAR = torch.ops.fp8_moe.linear.default
 GROUPED = torch.ops.fp8_moe.grouped_experts.default
+GROUPED_LIST = torch.ops.fp8_moe.grouped_experts_list.default
 _VIEWS = (aten.reshape.default, aten.view.default, aten._unsafe_view.default)
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -114,16 +119,26 @@ def _is_zeros(n) -> bool:
     return False
 
 
-def accumulation_step(n):
-    """(acc, rows, value) if ``n`` adds ``value`` into rows ``rows`` of ``acc``."""
+class Step(NamedTuple):
+    """One accumulation step: ``value`` added into rows ``rows`` of ``acc``."""
+
+    acc: Node
+    rows: Node
+    value: Node
+
+
+ACCUMULATIONS = (aten.index_put.default, aten.index_add.default)
+
+
+def accumulation_step(n) -> Step | None:
     if is_call(n, aten.index_put.default):
         acc, indices, value = n.args[:3]
         if _arg(n, 3, "accumulate", False) is True and len(indices) == 1 and isinstance(indices[0], Node):
-            return acc, indices[0], value
+            return Step(acc, indices[0], value)
     if is_call(n, aten.index_add.default):
         acc, dim, rows, value = n.args[:4]
         if dim in (0, -2) and _arg(n, 4, "alpha", 1) == 1:
-            return acc, rows, value
+            return Step(acc, rows, value)
     return None
 
 
@@ -214,11 +229,18 @@ def _routing(n):
     return None
 
 
-def _half(n):
-    """("whole", linear) or ("half", linear, 0 | 1): where a gate or up operand comes from."""
+class _Operand(NamedTuple):
+    """Where a gate or up operand comes from: a projection's whole output
+    (``half`` None) or its first (0) or second (1) half along the columns."""
+
+    linear: Node
+    half: int | None
+
+
+def _half(n) -> _Operand | None:
     n = _widen(n)
     if is_call(n, LINEAR):
-        return ("whole", n)
+        return _Operand(n, None)
     if is_call(n, operator.getitem) and is_call(n.args[0], aten.split.Tensor, aten.split_with_sizes.default):
         sp, i = n.args
         src, size, dim = sp.args[0], sp.args[1], _arg(sp, 2, "dim", 0)
@@ -227,7 +249,7 @@ def _half(n):
             N = shape_of(lin)[1]
             sizes = [size, size] if isinstance(size, int) else list(size)
             if len(sizes) == 2 and same_size(sizes[0] * 2, N) and same_size(sizes[1] * 2, N):
-                return ("half", lin, i)
+                return _Operand(lin, i)
     if is_call(n, aten.slice.Tensor):
         src, dim = n.args[0], _arg(n, 1, "dim", 0)
         start, end, step = _arg(n, 2, "start", 0), _arg(n, 3, "end", None), _arg(n, 4, "step", 1)
@@ -235,30 +257,51 @@ def _half(n):
         if is_call(lin, LINEAR) and dim in (1, -1) and step == 1:
             N = shape_of(lin)[1]
             if start in (0, None) and end is not None and same_size(end * 2, N):
-                return ("half", lin, 0)
+                return _Operand(lin, 0)
             if isinstance(start, int) and same_size(start * 2, N) and (end is None or statically_known_true(end >= N)):
-                return ("half", lin, 1)
+                return _Operand(lin, 1)
     return None
 
 
 # --------------------------------------------------------------------------- one iteration
 
 
+class Projection(NamedTuple):
+    """The weight and scale operands of one expert's ``fp8_moe::linear``."""
+
+    weight: Node
+    scale: Node
+
+
+class Activation(NamedTuple):
+    name: str  # the op's activation argument
+    variant: str  # "float32" or "native" (activations.py)
+    spelling: int  # index into activations.SPELLINGS[name]
+    limit: float | None  # swiglu_limit
+
+
 @dataclass
-class _Iter:
+class Iteration:
+    """One proven iteration of the loop: expert ``expert``'s computation."""
+
     expert: int
     nz: Node
     hidden: Node
     top_k_index: Node
     top_k_weights: Node
-    gate_up: tuple  # (w, s) fused, or (w1, s1, w3, s3) separate
-    down: tuple  # (w, s)
+    gate_up: Projection  # fused (2I, H); the gate (I, H) when ``up`` is set
+    up: Projection | None  # a separate up projection (Mixtral's w3)
+    down: Projection
     block_size: list
-    activation: tuple  # (name, variant, spelling, limit)
+    activation: Activation
     exact: bool  # same roundings as the grouped op
 
 
-def _match_iter(rows: Node, value: Node, acc_dtype: torch.dtype) -> _Iter:
+def _projection(lin: Node) -> Projection:
+    return Projection(*_linear_args(lin)[1:3])
+
+
+def _match_iter(rows: Node, value: Node, acc_dtype: torch.dtype) -> Iteration:
     nz, c = _coord(rows)
     mask = _mask(nz.args[0])
     if mask is None:
@@ -304,12 +347,12 @@ def _match_iter(rows: Node, value: Node, acc_dtype: torch.dtype) -> _Iter:
     g, u = _half(am.gate), _half(am.up)
     if g is None or u is None:
         raise Skip("gate and up are not the two halves of one projection nor two projections of the same input")
-    if g[0] == "half" and u[0] == "half" and g[1] is u[1]:
-        if (g[2], u[2]) != (0, 1):
+    if g.half is not None and u.half is not None and g.linear is u.linear:
+        if (g.half, u.half) != (0, 1):
             raise Skip("gate is not the first half of gate_up (halves swapped)")
-        gu_linears = [g[1]]
-    elif g[0] == "whole" and u[0] == "whole" and g[1] is not u[1]:
-        gu_linears = [g[1], u[1]]
+        gu_linears = [g.linear]
+    elif g.half is None and u.half is None and g.linear is not u.linear:
+        gu_linears = [g.linear, u.linear]
     else:
         raise Skip("gate and up come from a mix of fused and separate projections")
 
@@ -329,31 +372,29 @@ def _match_iter(rows: Node, value: Node, acc_dtype: torch.dtype) -> _Iter:
     hidden = srcs.pop()
     if _dtype(hidden) != act_dtype or act_dtype not in _FLOATS:
         raise Skip("the activation dtype differs from the hidden states dtype")
-    gate_up = tuple(_linear_args(gu_linears[0])[1:3])
-    if len(gu_linears) == 2:
-        gate_up += tuple(_linear_args(gu_linears[1])[1:3])
     # bitwise with the op only when every rounding matches fp8_moe_ops.functional.gated_activation
     # and the combine accumulates float32 products in float32
     exact = (am.variant == "float32" and am.spelling == 0 and _dtype(v) == torch.float32
              and acc_dtype == torch.float32)
-    return _Iter(e, nz, hidden, top_k_index, top_k_weights, gate_up, (wd, sd), list(bs),
-                 (am.activation, am.variant, am.spelling, am.limit), exact)
+    up = _projection(gu_linears[1]) if len(gu_linears) == 2 else None
+    return Iteration(e, nz, hidden, top_k_index, top_k_weights, _projection(gu_linears[0]), up, Projection(wd, sd),
+                     list(bs), Activation(am.activation, am.variant, am.spelling, am.limit), exact)
 
 
 # --------------------------------------------------------------------------- the loop
 
 
-def _body(value: Node, nz: Node, pos: dict) -> set:
+def _body(value: Node, nz: Node) -> set:
     """Nodes on a path from ``nz`` to ``value``: this iteration's own computation."""
     back, stack = set(), [value]
     while stack:
         n = stack.pop()
-        if n in back or pos[n] <= pos[nz]:
+        if n in back or not n > nz:  # graph order (fx keeps a sort key per node)
             continue
         back.add(n)
         stack.extend(n.all_input_nodes)
     body = set()
-    for n in sorted(back, key=pos.__getitem__):
+    for n in sorted(back):
         if any(i is nz or i in body for i in n.all_input_nodes):
             body.add(n)
     return body
@@ -370,9 +411,20 @@ def scalar_only(n: Node) -> bool:
 
 
 @dataclass
-class Loop:
+class Candidate:
+    """An accumulation chain found to be a loop over experts (not yet proven equivalent)."""
+
     steps: list  # accumulation nodes, in graph order
-    iters: list  # _Iter, in expert order
+    nzs: list  # the nonzero of each step
+    bodies: list  # each step's own computation (set of nodes), from its nonzero to its value
+
+
+@dataclass
+class Loop:
+    """A loop proven to compute what one grouped expert call computes."""
+
+    steps: list  # accumulation nodes, in graph order
+    iters: list  # Iteration, in expert order
     nzs: list
     nodes: set  # every node of every iteration (nonzero, body, step)
     targets: list  # nodes the grouped op replaces
@@ -384,47 +436,56 @@ def collect_chain(head: Node) -> list:
     while len(users_of(cur)) == 1:
         (u,) = users_of(cur)
         s = accumulation_step(u)
-        if s is None or s[0] is not cur:
+        if s is None or s.acc is not cur:
             break
         steps.append(u)
         cur = u
     return steps
 
 
-def analyse(steps: list, pos: dict) -> Loop | None:
-    """Returns None when the chain is not an expert loop at all; raises Skip for a loop
-    that is left eager."""
-    bodies = []
+def find_loop(steps: list) -> Candidate | None:
+    """The chain as a loop over experts, or None when it is none: every step adds rows
+    selected by a ``nonzero`` (possibly through an integer cast), and the steps' bodies
+    call ``fp8_moe::linear``."""
+    nzs, bodies = [], []
     for s in steps:
-        _, rows, value = accumulation_step(s)
-        co = _coord(rows)
+        step = accumulation_step(s)
+        co = _coord(_strip_int_casts(step.rows))
         if co is None:
-            if _coord(_strip_int_casts(rows)) is not None:
-                # e.g. index_add_(0, tok.int(), ...): an expert loop, but not a spelling we prove
-                raise Skip("the token index of an accumulation step is a cast torch.where coordinate")
             return None
-        bodies.append((co[0], _body(value, co[0], pos)))
-    linears = [n for _, b in bodies for n in b if is_call(n, LINEAR)]
-    if not linears:
+        nzs.append(co[0])
+        bodies.append(_body(step.value, co[0]))
+    if not any(is_call(n, LINEAR) for b in bodies for n in b):
         return None
+    return Candidate(steps, nzs, bodies)
+
+
+def prove(c: Candidate) -> Loop:
+    """The proof that the loop equals one grouped expert call; raises Skip (with the
+    reason) for a loop that is left eager."""
+    steps = c.steps
+    if any(_coord(accumulation_step(s).rows) is None for s in steps):
+        # e.g. index_add_(0, tok.int(), ...): an expert loop, but not a spelling we prove
+        raise Skip("the token index of an accumulation step is a cast torch.where coordinate")
+    linears = [n for b in c.bodies for n in b if is_call(n, LINEAR)]
     if any(_linear_args(n)[4] is not None for n in linears):
         raise Skip("its activation scheme is static (fp8_moe::linear has an act_scale)", static=True)
 
-    acc = accumulation_step(steps[0])[0]
+    acc = accumulation_step(steps[0]).acc
     if not _is_zeros(acc):
         raise Skip("the accumulator does not start as a zero tensor")
     last = steps[-1]
     # collect_chain stops at a step with several users; one of them continuing the chain means a
     # partial sum is also used elsewhere
-    if any(accumulation_step(u) is not None and accumulation_step(u)[0] is last for u in users_of(last)):
+    if any(accumulation_step(u) is not None and accumulation_step(u).acc is last for u in users_of(last)):
         raise Skip("a partial sum of the loop is used outside the loop")
     acc_dtype = _dtype(acc)
 
     iters, nodes = [], set(steps)
-    for s, (nz, body) in zip(steps, bodies):
+    for s, nz, body in zip(steps, c.nzs, c.bodies):
         nodes |= body | {nz}
-        _, rows, value = accumulation_step(s)
-        it = _match_iter(rows, value, acc_dtype)
+        step = accumulation_step(s)
+        it = _match_iter(step.rows, step.value, acc_dtype)
         inside = body | {s}
         for n in [nz, *body]:
             if any(u not in inside and not scalar_only(u) for u in users_of(n)):
@@ -438,8 +499,8 @@ def analyse(steps: list, pos: dict) -> Loop | None:
         if it.block_size != first.block_size:
             raise Skip(f"mixed block sizes: {first.block_size} and {it.block_size}")
         if it.activation != first.activation:
-            raise Skip(f"experts use different activations: {first.activation[0]} and {it.activation[0]}")
-        if len(it.gate_up) != len(first.gate_up):
+            raise Skip(f"experts use different activations: {first.activation.name} and {it.activation.name}")
+        if (it.up is None) != (first.up is None):
             raise Skip("some experts use fused gate_up weights, others separate gate and up")
     ids = sorted(it.expert for it in iters)
     if ids != list(range(len(iters))):

@@ -1,7 +1,9 @@
-"""Rewriting: stack the experts' weights (without a per-call copy), insert one
-``fp8_moe::grouped_experts`` call in place of a loop proven by ``matching.py``, erase
-the loop and the range asserts that would keep its ``nonzero``s alive; plus the entry
-point that counts and logs what was done."""
+"""Rewriting: insert one grouped expert call in place of a loop proven by
+``matching.py`` -- ``fp8_moe::grouped_experts`` when the experts' weights are the rows
+of stacked tensors, else ``fp8_moe::grouped_experts_list`` on the per-expert tensors
+(``nn.ModuleList`` experts) -- never copying a weight; erase the loop and the range
+asserts that would keep its ``nonzero``s alive; plus the entry point that counts and
+logs what was done."""
 
 from __future__ import annotations
 
@@ -12,10 +14,9 @@ import torch
 from torch._dynamo.utils import counters
 from torch.fx import Graph, Node
 
-from fp8_moe_ops.functional import cdiv
-
 from .matching import (
-    GROUPED, LINEAR, META_ASSERT, Loop, Skip, accumulation_step, analyse, aten, collect_chain, is_call, same_size,
+    ACCUMULATIONS, GROUPED, GROUPED_LIST, LINEAR, META_ASSERT, Loop, Skip, accumulation_step, aten, collect_chain,
+    find_loop, is_call, prove, same_size,
     scalar_only, shape_of,
 )
 
@@ -29,24 +30,9 @@ def _attr(gm, target: str):
     return functools.reduce(getattr, target.split("."), gm)
 
 
-def _tensors(gm, nodes: list, what: str) -> list:
-    if not all(n.op == "get_attr" for n in nodes):
-        raise Skip(f"the {what} of each expert is a graph input, so stacking them would copy weights on every "
-                   "call; enable torch._inductor.config.freezing (or compile with AOTInductor) so they are "
-                   "constants stacked once at compile time")
-    return [_attr(gm, n.target) for n in nodes]
-
-
-def _grid(s: torch.Tensor, n_rows: int, n_cols: int, bs) -> torch.Tensor:
-    """A (1, 1) per-matrix scale as the full block grid (the same dequantisation)."""
-    if tuple(s.shape) == (1, 1):
-        return s.expand(cdiv(n_rows, bs[0]), cdiv(n_cols, bs[1]))
-    return s
-
-
-def _stack(ts: list, what: str) -> torch.Tensor:
-    """One (E, ...) tensor from E per-expert tensors: the common base when they are
-    exactly its rows (frozen ``w[e]`` views: no copy), else a stacked copy (once)."""
+def _common_base(ts: list, what: str):
+    """The (E, ...) tensor whose rows are exactly ``ts`` (frozen ``w[e]`` views of a
+    stacked parameter), or None."""
     base = ts[0]._base
     if (base is not None and base.dim() == ts[0].dim() + 1 and base.is_contiguous()
             and all(t._base is base and t.dtype == base.dtype for t in ts)):
@@ -55,13 +41,13 @@ def _stack(ts: list, what: str) -> torch.Tensor:
             if base.shape[0] != len(ts):
                 raise Skip(f"the loop covers {len(ts)} of the {base.shape[0]} experts of its {what}")
             return base
-    if len({(tuple(t.shape), t.dtype) for t in ts}) != 1:
-        raise Skip(f"experts' {what} differ in shape or dtype")
-    return torch.stack(ts).contiguous()
+    return None
 
 
-def _expert_tensor(gm, nodes: list, what: str):
-    """A node for the stacked tensor (existing) or a real tensor to add as a constant."""
+def _stacked(gm, nodes: list, what: str):
+    """The stacked (E, ...) tensor the experts' ``nodes`` are the rows of: a node
+    (``select.int`` of a graph tensor) or a real tensor (the base of frozen views) to
+    add as a constant; None for separate per-expert tensors (``nn.ModuleList``)."""
     b = nodes[0].args[0] if is_call(nodes[0], aten.select.int) else None
     if b is not None and all(is_call(n, aten.select.int) and n.args[0] is b and n.args[1] == 0 for n in nodes):
         used = [n.args[2] for n in nodes]
@@ -70,78 +56,67 @@ def _expert_tensor(gm, nodes: list, what: str):
         if not same_size(shape_of(b)[0], len(nodes)):
             raise Skip(f"the loop covers {len(nodes)} of the {shape_of(b)[0]} experts of its {what}")
         return b
-    return _stack(_tensors(gm, nodes, what), what)
+    if all(n.op == "get_attr" for n in nodes):
+        return _common_base([_attr(gm, n.target) for n in nodes], what)
+    return None
 
 
-def _scales(ts: list, rows: int, cols: int, bs, what: str) -> torch.Tensor:
-    if len({t.dtype for t in ts}) != 1:
-        raise Skip(f"experts' {what} mix scale dtypes")
-    if len({tuple(t.shape) for t in ts}) != 1:
-        ts = [_grid(t, rows, cols, bs) for t in ts]
-    return _stack(ts, what)
-
-
-def _separate_gate_up(gm, iters: list, bs):
-    """Fused (E, 2I, H) weights and scales from Mixtral-style w1 (gate) / w3 (up)."""
-    w1 = _tensors(gm, [it.gate_up[0] for it in iters], "gate weight (w1)")
-    s1 = _tensors(gm, [it.gate_up[1] for it in iters], "gate scale")
-    w3 = _tensors(gm, [it.gate_up[2] for it in iters], "up weight (w3)")
-    s3 = _tensors(gm, [it.gate_up[3] for it in iters], "up scale")
-    I, H = w1[0].shape
-    ws, ss = [], []
-    for a, sa, b, sb in zip(w1, s1, w3, s3):
-        if a.shape != b.shape or a.dtype != b.dtype or sa.dtype != sb.dtype:
-            raise Skip("gate and up weights differ in shape or dtype")
-        ws.append(torch.cat([a, b]))
-        if tuple(sa.shape) == tuple(sb.shape) == (1, 1) and torch.equal(sa, sb):
-            ss.append(sa)  # one per-tensor scale for the fused matrix
-        elif I % bs[0]:
-            raise Skip(f"gate and up scale grids cannot be stacked: I={I} is not a multiple of "
-                       f"block_size[0]={bs[0]}, so a scale block would straddle gate and up")
-        else:
-            ss.append(torch.cat([_grid(sa, I, H, bs), _grid(sb, I, H, bs)]))
-    return _stack(ws, "gate_up weights"), _scales(ss, 2 * I, H, bs, "gate_up scales")
+def _operands(gm, loop: Loop):
+    """(op, [gate_up, gate_up scales, down, down scales]): one stacked tensor each for
+    ``grouped_experts`` when the weights are the rows of stacked tensors, else lists of
+    the per-expert nodes for ``grouped_experts_list`` (weights read where they are)."""
+    iters = loop.iters
+    gate_up = [[it.gate_up.weight for it in iters], [it.gate_up.scale for it in iters]]
+    down = [[it.down.weight for it in iters], [it.down.scale for it in iters]]
+    if iters[0].up is None:  # fused gate_up
+        names = ("gate_up weights", "gate_up scales", "down weights", "down scales")
+        stacked = [_stacked(gm, nodes, what) for nodes, what in zip([*gate_up, *down], names)]
+        if all(t is not None for t in stacked):
+            return GROUPED, stacked
+        return GROUPED_LIST, [*gate_up, *down]
+    # separate gate (w1) and up (w3): every gate, then every up
+    up = [[it.up.weight for it in iters], [it.up.scale for it in iters]]
+    return GROUPED_LIST, [gate_up[0] + up[0], gate_up[1] + up[1], *down]
 
 
 # --------------------------------------------------------------------------- rewrite
 
 
-def _fake_mode(graph: Graph):
-    from torch._guards import detect_fake_mode
+def _fake(gm, fake_mode, o):
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-    return detect_fake_mode([n.meta["val"] for n in graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)])
+    if isinstance(o, list):
+        return [_fake(gm, fake_mode, n) for n in o]
+    if isinstance(o, Node) and isinstance(o.meta.get("val"), torch.Tensor):
+        return o.meta["val"]
+    real = _attr(gm, o.target) if isinstance(o, Node) else o
+    with unset_fake_temporarily():
+        fake = fake_mode.from_tensor(real, static_shapes=True)
+    if isinstance(o, Node):
+        o.meta["val"] = fake
+    return fake
 
 
-def _rewrite(graph: Graph, loop: Loop) -> None:
+def _rewrite(graph: Graph, loop: Loop) -> str:
+    """Replaces ``loop``; returns the name of the op inserted."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     gm = graph.owning_module
     first = loop.iters[0]
     bs = first.block_size
     with unset_fake_temporarily(), torch.no_grad():
-        if len(first.gate_up) == 4:
-            gu, gus = _separate_gate_up(gm, loop.iters, bs)
-        else:
-            gu = _expert_tensor(gm, [it.gate_up[0] for it in loop.iters], "gate_up weights")
-            gus = _expert_tensor(gm, [it.gate_up[1] for it in loop.iters], "gate_up scales")
-        dn = _expert_tensor(gm, [it.down[0] for it in loop.iters], "down weights")
-        dns = _expert_tensor(gm, [it.down[1] for it in loop.iters], "down scales")
-    fake_mode = _fake_mode(graph)
-    operands = [gu, gus, dn, dns]
-    fakes = []
-    for o in operands:
-        if isinstance(o, Node):
-            fakes.append(o.meta["val"])
-        else:
-            with unset_fake_temporarily():
-                fakes.append(fake_mode.from_tensor(o, static_shapes=True))
-    name, _, _, limit = first.activation
+        op, operands = _operands(gm, loop)
+    from torch._guards import detect_fake_mode
+
     head = [first.hidden, first.top_k_index, first.top_k_weights]
+    fake_mode = detect_fake_mode([n.meta["val"] for n in head])
+    fakes = [_fake(gm, fake_mode, o) for o in operands]
+    name, limit = first.activation.name, first.activation.limit
     try:
         with fake_mode:
-            out_val = GROUPED(*[n.meta["val"] for n in head], *fakes, bs, name, None, None, limit)
+            out_val = op(*[n.meta["val"] for n in head], *fakes, bs, name, None, None, limit)
     except (TypeError, ValueError) as exc:  # the op's own checks: never insert a call it rejects
-        raise Skip(f"fp8_moe::grouped_experts rejects the loop's operands: {exc}") from exc
+        raise Skip(f"{op.name()} rejects the loop's operands: {exc}") from exc
 
     placeholders = list(graph.find_nodes(op="placeholder"))
     anchor = placeholders[-1].next if placeholders else next(iter(graph.nodes))
@@ -153,9 +128,9 @@ def _rewrite(graph: Graph, loop: Loop) -> None:
                 node = graph.get_attr(attr)
             node.meta["val"] = fakes[i]
             operands[i] = node
-    targets = sorted(loop.targets, key=lambda n: list(graph.nodes).index(n))
+    targets = sorted(loop.targets)  # graph order
     with graph.inserting_before(targets[0]):
-        new = graph.call_function(GROUPED, (*head, *operands, bs, name, None, None, limit))
+        new = graph.call_function(op, (*head, *operands, bs, name, None, None, limit))
     new.meta["val"] = out_val
     new.meta["stack_trace"] = loop.steps[-1].meta.get("stack_trace")
     for n in loop.nodes | set(targets):
@@ -169,6 +144,7 @@ def _rewrite(graph: Graph, loop: Loop) -> None:
         graph.erase_node(s)
     graph.eliminate_dead_code()
     _erase_dead_nonzeros(graph, loop.nzs)
+    return op.name()
 
 
 def _new_attr_name(gm, role: str) -> str:
@@ -210,8 +186,7 @@ def _erase_dead_nonzeros(graph: Graph, nzs: list) -> None:
         else:
             if any(_other_nonzero_above(i, nz, down) for n in down for i in n.all_input_nodes):
                 continue
-            pos = {n: i for i, n in enumerate(graph.nodes)}
-            for n in sorted(down, key=pos.__getitem__, reverse=True):
+            for n in sorted(down, reverse=True):
                 graph.erase_node(n)
     graph.eliminate_dead_code()
 
@@ -222,25 +197,25 @@ def _erase_dead_nonzeros(graph: Graph, nzs: list) -> None:
 def _heads(graph: Graph) -> list:
     """First steps of accumulation chains (a step adding into something that is not
     itself a step).  A chain that forks is analysed once, from its head."""
-    return [n for n in graph.nodes
-            if accumulation_step(n) is not None and accumulation_step(accumulation_step(n)[0]) is None]
+    steps = sorted(n for t in ACCUMULATIONS for n in graph.find_nodes(op="call_function", target=t))
+    return [n for n in steps if accumulation_step(n) is not None and accumulation_step(accumulation_step(n).acc) is None]
 
 
 def rewrite_moe_loops(graph: Graph) -> int:
     """Rewrites every provable expert loop of ``graph``; returns how many."""
-    if not any(is_call(n, LINEAR) for n in graph.nodes):
+    if not graph.find_nodes(op="call_function", target=LINEAR):
         return 0
     done = 0
     for head in _heads(graph):
         if head._erased:  # dead code of an earlier rewrite
             continue
         steps = collect_chain(head)
-        pos = {n: i for i, n in enumerate(graph.nodes)}
+        candidate = find_loop(steps)
+        if candidate is None:
+            continue
         try:
-            loop = analyse(steps, pos)
-            if loop is None:
-                continue
-            _rewrite(graph, loop)
+            loop = prove(candidate)
+            op = _rewrite(graph, loop)
         except Skip as skip:
             kind = "static" if skip.static else "unsupported"
             counters["fp8_moe"][f"loops_skipped_{kind}"] += 1
@@ -248,8 +223,8 @@ def rewrite_moe_loops(graph: Graph) -> int:
             continue
         counters["fp8_moe"]["loops_rewritten"] += 1
         done += 1
-        log.info("fp8_moe_ops.passes: replaced a loop over %d experts with fp8_moe::grouped_experts "
-                 "(activation=%s, swiglu_limit=%s, %s)", len(steps), loop.iters[0].activation[0],
-                 loop.iters[0].activation[3], "bitwise equal to eager" if loop.exact else
+        log.info("fp8_moe_ops.passes: replaced a loop over %d experts with %s "
+                 "(activation=%s, swiglu_limit=%s, %s)", len(steps), op, loop.iters[0].activation.name,
+                 loop.iters[0].activation.limit, "bitwise equal to eager" if loop.exact else
                  "more accurate than the loop: fewer roundings")
     return done

@@ -128,3 +128,24 @@ def experts_float64(hidden, top_k_index, top_k_weights, gate_up_proj, gate_up_sc
             a = qdq(a.to(hidden.dtype), None if down_act_scale is None else down_act_scale[e])
             out[t] += (a @ wd.t())[0].to(hidden.dtype).double() * float(top_k_weights[t, j])
     return out
+
+
+def as_expert_lists(args: dict, separate: bool = False) -> dict:
+    """``make_experts_inputs`` kwargs for ``grouped_experts_list``: each expert's own
+    tensor (views of the stacked ones, so no copy), gate and up as two lists when
+    ``separate`` (the gate_up scale grid must then split at I: I % bn == 0 or (1, 1))."""
+    out = dict(args)
+    gu, gus = args["gate_up_proj"], args["gate_up_scale_inv"]
+    E, two_i, _ = gu.shape
+    out["down_proj"] = list(args["down_proj"].unbind(0))
+    out["down_scale_inv"] = list(args["down_scale_inv"].unbind(0))
+    if not separate:
+        out["gate_up_proj"], out["gate_up_scale_inv"] = list(gu.unbind(0)), list(gus.unbind(0))
+        return out
+    I, g = two_i // 2, gus.shape[1] // 2
+    out["gate_up_proj"] = [gu[e, :I] for e in range(E)] + [gu[e, I:] for e in range(E)]
+    if gus.shape[1] == 1:
+        out["gate_up_scale_inv"] = [gus[e] for e in range(E)] * 2
+    else:
+        out["gate_up_scale_inv"] = [gus[e, :g] for e in range(E)] + [gus[e, g:] for e in range(E)]
+    return out

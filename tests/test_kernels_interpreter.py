@@ -379,3 +379,47 @@ def test_strided_act_scale_and_offsets():
     offsets = torch.tensor([3, 3, 0, 7, 0, 10], dtype=torch.int32)[1::2]  # [3, 7, 10]
     out = kernels.grouped_mm(x, w, ws, offsets, block, a)
     _ulp_close(out, reference.grouped_mm(x, w, ws, offsets, block, a))
+
+
+# --------------------------------------------------------------------------- per-expert weight lists
+
+
+_NAMES = ("hidden", "top_k_index", "top_k_weights", "gate_up_proj", "gate_up_scale_inv", "down_proj",
+          "down_scale_inv", "block_size")
+
+
+@pytest.mark.parametrize("case,separate,static,scale_dtype,per_tensor", [
+    ("T1", False, False, torch.float32, False),
+    ("T_lt_block_prime_E", False, True, E8M0, False),
+    ("sentinels", True, False, torch.float32, True),    # separate gate/up with (1, 1) scales
+    ("one_expert", True, True, torch.float32, False),   # separate gate/up, I = 16 = bn
+    ("empty_expert", False, False, torch.float32, True),
+    ("block32", True, False, E8M0, True),
+])
+def test_experts_list_equals_stacked_bitwise(case, separate, static, scale_dtype, per_tensor):
+    # the W_TABLE path reads each expert's base address from the table; otherwise the
+    # same arithmetic as the stacked kernel, so the outputs agree bitwise
+    from helpers import as_expert_lists
+
+    args, kw = _experts_args(case, torch.bfloat16, scale_dtype, static, per_tensor, seed=11)
+    stacked = kernels.grouped_experts(*args, **kw)
+    lists = as_expert_lists(dict(zip(_NAMES, args)), separate)
+    # copies: the experts' tensors at addresses of their own, not rows of one stacked tensor
+    lists = {k: [t.clone() for t in v] if isinstance(v, list) and k != "block_size" else v for k, v in lists.items()}
+    out = kernels.grouped_experts_list(**lists, **kw)
+    assert torch.equal(out, stacked)
+
+
+@pytest.mark.parametrize("BN", [16, 64], ids=["tile_in_block", "tile_spans_blocks"])
+def test_experts_list_weight_scale_per_tile_and_per_column(monkeypatch, BN):
+    # bn = 32, I = 32: BN = 16 takes one weight scale per tile, BN = 64 one per column
+    args, kw = _experts_args("block32", torch.bfloat16, torch.float32, False, seed=12)
+    args[3], args[4] = _weights(torch.Generator().manual_seed(4), 3, 64, 96, [32, 32])
+    args[5], args[6] = _weights(torch.Generator().manual_seed(5), 3, 96, 32, [32, 32])
+    monkeypatch.setattr(moe, "gemm_config", lambda *_: dict(BM=16, BN=BN, GROUP_M=8, num_warps=4, num_stages=2))
+    from helpers import as_expert_lists
+
+    stacked = kernels.grouped_experts(*args, **kw)
+    for separate in (False, True):
+        out = kernels.grouped_experts_list(**as_expert_lists(dict(zip(_NAMES, args)), separate), **kw)
+        assert torch.equal(out, stacked)

@@ -67,7 +67,7 @@ class TestFxGraphCache(TestCase):
 
 class TestAOTInductor(TestCase):
     def test_export_package_load(self):
-        m = MixtralLoop()  # ModuleList experts: AOTInductor constants are stacked once, into the package
+        m = MixtralLoop()  # ModuleList experts: the per-expert weights go into the package as they are
         T = torch.export.Dim("T", min=1, max=4096)
         with fresh_counters(), tempfile.TemporaryDirectory() as d:
             ep = torch.export.export(m, inputs(8, seed=31), dynamic_shapes=({0: T}, {0: T}, {0: T}))
@@ -79,7 +79,12 @@ class TestAOTInductor(TestCase):
                 (extern,) = [json.loads(z.read(n)) for n in names if n.endswith("wrapper.json")]
             loaded = torch._inductor.aoti_load_package(path)
             self.assertEqual(fp8_counters(), {"loops_rewritten": 1})
-            self.assertEqual([n["node"]["target"] for n in extern["nodes"]], ["fp8_moe::grouped_experts"])
+            self.assertEqual([n["node"]["target"] for n in extern["nodes"]], ["fp8_moe::grouped_experts_list"])
+            # the op reads the model's own per-expert constants (w1 list, then w3), no stacked copy
+            lists = {a["name"]: [t["name"] for t in a["arg"]["as_tensors"]]
+                     for a in extern["nodes"][0]["node"]["inputs"] if "as_tensors" in a["arg"]}
+            self.assertEqual(lists["gate_up_proj"], [f"experts_{e}_w{i}_weight" for i in (1, 3) for e in range(4)])
+            self.assertEqual(lists["down_scale_inv"], [f"experts_{e}_w2_weight_scale_inv" for e in range(4)])
             self.assertFalse("nonzero" in sources, "the package still computes a nonzero")
             for t in (5, 23):
                 x, idx, w = inputs(t, seed=t)

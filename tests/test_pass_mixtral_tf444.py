@@ -23,7 +23,6 @@ transformers = pytest.importorskip("transformers")
 if not transformers.__version__.startswith("4.44."):
     pytest.skip(f"needs transformers 4.44.x, found {transformers.__version__}", allow_module_level=True)
 
-import torch._inductor.config as inductor_config  # noqa: E402
 from expecttest import TestCase  # noqa: E402
 from torch._inductor.utils import run_and_get_code  # noqa: E402
 from transformers.models.mixtral.configuration_mixtral import MixtralConfig  # noqa: E402
@@ -60,12 +59,12 @@ class TestTransformers444Mixtral(TestCase):
         block = _block()
         x = torch.randn(2, 5, H, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
         torch._dynamo.reset()
-        with fresh_counters(), inductor_config.patch(freezing=True), torch.no_grad():
+        with fresh_counters(), torch.no_grad():  # plain torch.compile: no freezing needed
             (out, logits), code = run_and_get_code(torch.compile(block, fullgraph=True), x)
             eager, eager_logits = block(x)
         code = "\n".join(code)
         self.assertEqual(fp8_counters(), {"loops_rewritten": 1})
-        self.assertIn("fp8_moe.grouped_experts", code)
+        self.assertIn("fp8_moe.grouped_experts_list", code)  # the experts' own tensors, no stacked copy
         self.assertNotIn("nonzero", code)
         self.assertNotIn("fp8_moe.linear", code)
         self.assertEqual(out.shape, (2, 5, H))

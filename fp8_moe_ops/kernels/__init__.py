@@ -3,9 +3,11 @@
 Modules: :mod:`.quant` (activation quantisation), :mod:`.grouped_gemm` (block-scaled
 grouped GEMM with a device-side tile map), :mod:`.activation` (gated activation fused
 with the down projection's quantisation), :mod:`.combine` (deterministic combine),
-:mod:`.config` (checked-in launch configs), :mod:`.moe` (the op entry points).
+:mod:`.config` (checked-in launch configs), :mod:`.moe` (the op entry points),
+:mod:`.moe_list` (the entry point on per-expert weight lists).
 """
 
 from .moe import batched_experts, batched_mm, grouped_experts, grouped_mm, linear
+from .moe_list import grouped_experts_list
 
-__all__ = ["linear", "grouped_mm", "batched_mm", "grouped_experts", "batched_experts"]
+__all__ = ["linear", "grouped_mm", "batched_mm", "grouped_experts", "batched_experts", "grouped_experts_list"]

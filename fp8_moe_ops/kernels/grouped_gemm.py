@@ -17,10 +17,18 @@ The grid has ``cdiv(S, BM) + min(E, S) + 1`` row tiles, an upper bound on the ti
 of E groups plus one tail group; tiles past the tail exit at once.  The tail tiles
 (rows at or past ``offsets[-1]``, i.e. sentinel slots) write zeros, so every output
 row is written.
+
+``W_TABLE``: the weights are E separate (N, K) tensors (an ``nn.ModuleList`` of
+experts) and ``w_ptr`` / ``ws_ptr`` point to (E,) int64 tables of their addresses
+(:mod:`.moe_list`); expert e's tile reads its base address from the table, and the
+arithmetic is otherwise the same, so the results equal the stacked weights' bitwise.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
+import torch
 import triton
 import triton.language as tl
 
@@ -44,8 +52,8 @@ def load_weight_scale(ws_ptr, idx, mask, SCALE_E8M0: tl.constexpr):
 def _grouped_gemm_kernel(
     a_ptr, stride_am,                        # a (rows, K) e4m3, unit stride in K
     a_scale_ptr, stride_asm,                 # dynamic: (rows, ceil(K/bk)) f32; static: (E,) f32
-    w_ptr,                                   # w (E, N, K) e4m3 contiguous
-    ws_ptr, stride_wse, stride_wsn, stride_wsk,  # weight scale grid (0 strides broadcast)
+    w_ptr,                                   # w (E, N, K) e4m3 contiguous; W_TABLE: (E,) int64 addresses of (N, K)
+    ws_ptr, stride_wse, stride_wsn, stride_wsk,  # weight scale grid (0 strides broadcast); W_TABLE: (E,) addresses
     out_ptr, stride_om,                      # out (rows, N)
     perm_ptr,                                # (S,) sorted position -> slot (GATHER_A / SCATTER_OUT)
     offsets_ptr,                             # (E,) int32 inclusive cumsum of rows per expert
@@ -54,6 +62,7 @@ def _grouped_gemm_kernel(
     TOPK: tl.constexpr, BN_SCALE: tl.constexpr, BK_SCALE: tl.constexpr,
     GATHER_A: tl.constexpr, SCATTER_OUT: tl.constexpr, STATIC: tl.constexpr,
     SCALE_E8M0: tl.constexpr, HAS_OFFSETS: tl.constexpr, W_SCALE_PER_TILE: tl.constexpr,
+    W_TABLE: tl.constexpr, W_ALIGN: tl.constexpr,  # W_ALIGN: bytes every table address is a multiple of
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EP: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -115,11 +124,22 @@ def _grouped_gemm_kernel(
 
     offs_k = tl.arange(0, BK)
     a_ptrs = a_ptr + arow[:, None] * stride_am + offs_k[None, :]
-    w_ptrs = w_ptr + e64 * N * K + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :]
-    if W_SCALE_PER_TILE:
-        ws_row = ws_ptr + e64 * stride_wse + (pid_n * BN // BN_SCALE) * stride_wsn
+    if W_TABLE:
+        # per-expert tensors where they are: their addresses, one table entry per expert
+        # the alignment hint keeps the weight loads as wide as with one stacked tensor
+        w_base = tl.multiple_of(tl.load(w_ptr + e64).to(tl.pointer_type(tl.float8e4nv)), W_ALIGN)
+        if SCALE_E8M0:
+            ws_base = tl.load(ws_ptr + e64).to(tl.pointer_type(tl.uint8))
+        else:
+            ws_base = tl.load(ws_ptr + e64).to(tl.pointer_type(tl.float32))
     else:
-        ws_row = ws_ptr + e64 * stride_wse + (offs_n // BN_SCALE) * stride_wsn
+        w_base = w_ptr + e64 * N * K
+        ws_base = ws_ptr + e64 * stride_wse
+    w_ptrs = w_base + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :]
+    if W_SCALE_PER_TILE:
+        ws_row = ws_base + (pid_n * BN // BN_SCALE) * stride_wsn
+    else:
+        ws_row = ws_base + (offs_n // BN_SCALE) * stride_wsn
     if STATIC:
         a_s = tl.load(a_scale_ptr + e)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
@@ -152,6 +172,18 @@ def _grouped_gemm_kernel(
         orow = rows
     tl.store(out_ptr + orow.to(tl.int64)[:, None] * stride_om + offs_n[None, :],
              round_to(acc, out_ptr.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])
+
+
+class WeightTable(NamedTuple):
+    """E per-expert (N, K) e4m3 matrices read where they are (``W_TABLE``)."""
+
+    w: torch.Tensor  # (E,) int64 device addresses of the matrices
+    scale: torch.Tensor  # (E,) int64 device addresses of their scale grids
+    shape: tuple  # (E, N, K)
+    scale_rows: int  # rows of each grid (1: one scale per matrix or one block of rows)
+    scale_strides: tuple  # (row, column) strides of each grid, 0 for a size-1 dim
+    scale_e8m0: bool  # UE8M0 grids (read as bytes), else float32
+    align: int  # every weight address is a multiple of this many bytes (16, or 1)
 
 
 def max_row_tiles(S: int, E: int, BM: int, has_offsets: bool) -> int:

@@ -30,7 +30,7 @@ from .. import routing
 from .activation import ACT_IDS, _gated_act_quant_kernel
 from .combine import _combine_kernel, combine_launch_shape
 from .config import block_k, gemm_config
-from .grouped_gemm import _grouped_gemm_kernel, max_row_tiles
+from .grouped_gemm import WeightTable, _grouped_gemm_kernel, max_row_tiles
 from .quant import _quant_kernel, quant_launch_shape
 from .sort import MAX_SLOTS, _sort_kernel, sort_launch_shape
 
@@ -102,30 +102,41 @@ def _scale_strides(scale: torch.Tensor) -> tuple[int, int, int]:
 
 
 def _gemm(q, q_scale, w, w_scale, block, out, *, offsets=None, perm=None, gather_a=False,
-          scatter_out=False, static=False, topk=1):
-    """out[rows] = q[rows] @ dequant(w[expert])^T over the expert-sorted rows."""
+          scatter_out=False, static=False, topk=1, config_n=None):
+    """out[rows] = q[rows] @ dequant(w[expert])^T over the expert-sorted rows.
+
+    ``w`` is the stacked (E, N, K) tensor with its grid ``w_scale``, or a
+    :class:`WeightTable` (``w_scale`` None); ``config_n`` picks the launch config as
+    for that N (a split gate/up pair launches as the fused matrix would)."""
     S = out.shape[0]
     E, N, K = w.shape
     if S == 0:
         return out
     bn, bk = block
-    cfg = gemm_config(S, E, N, K)
+    cfg = gemm_config(S, E, config_n or N, K)
     BM, BN = cfg["BM"], cfg["BN"]
     num_pid_m = max_row_tiles(S, E, BM, offsets is not None)
     grid = (num_pid_m * triton.cdiv(N, BN),)
-    e8m0 = w_scale.dtype == torch.float8_e8m0fnu
-    ws = w_scale.view(torch.uint8) if e8m0 else w_scale
+    table = isinstance(w, WeightTable)
+    align = w.align if table else 16
+    if table:
+        ws_strides, one_scale_row, e8m0 = (0, *w.scale_strides), w.scale_rows == 1, w.scale_e8m0
+        w, ws = w.w, w.scale
+    else:
+        e8m0 = w_scale.dtype == torch.float8_e8m0fnu
+        ws = w_scale.view(torch.uint8) if e8m0 else w_scale
+        ws_strides, one_scale_row = _scale_strides(w_scale), w_scale.shape[1] == 1
     dummy = out
     _grouped_gemm_kernel[grid](
         q, q.stride(0), q_scale, q_scale.stride(0) if not static else 0,
-        w, ws, *_scale_strides(w_scale),
+        w, ws, *ws_strides,
         out, out.stride(0),
         perm if perm is not None else dummy, offsets if offsets is not None else dummy,
         S, N, E, num_pid_m,
         K=K, TOPK=topk, BN_SCALE=bn, BK_SCALE=bk,
         GATHER_A=gather_a, SCATTER_OUT=scatter_out, STATIC=static,
         SCALE_E8M0=e8m0, HAS_OFFSETS=offsets is not None,
-        W_SCALE_PER_TILE=bn % BN == 0 or w_scale.shape[1] == 1,
+        W_SCALE_PER_TILE=bn % BN == 0 or one_scale_row, W_TABLE=table, W_ALIGN=align,
         BM=BM, BN=BN, BK=block_k(bk), EP=_ep(E), GROUP_M=cfg["GROUP_M"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
@@ -190,11 +201,23 @@ def grouped_experts(hidden, top_k_index, top_k_weights, gate_up_proj, gate_up_sc
                     down_act_scale=None, swiglu_limit=None):
     """Whole expert forward: hidden (T, H), top_k_index / top_k_weights (T, k) -> (T, H)."""
     block = _block(block_size)
+    E, two_i, _ = gate_up_proj.shape
+    return experts_forward(
+        hidden, top_k_index, top_k_weights, E, two_i // 2, block,
+        lambda q, qs, h, **kw: _gemm(q, qs, gate_up_proj, gate_up_scale_inv, block, h, **kw),
+        lambda a, a_s, y, **kw: _gemm(a, a_s, down_proj, down_scale_inv, block, y, **kw),
+        activation, gate_up_act_scale, down_act_scale, swiglu_limit)
+
+
+def experts_forward(hidden, top_k_index, top_k_weights, E, I, block, gate_up_gemm, down_gemm,
+                    activation, gate_up_act_scale, down_act_scale, swiglu_limit):
+    """The expert forward around its two grouped GEMMs, whatever holds the weights:
+    ``gate_up_gemm(q, q_scale, h, **launch)`` and ``down_gemm(a, a_scale, y, **launch)``
+    run :func:`_gemm` over E experts into ``h`` (S, 2I) and ``y`` (S, H)."""
     bk = block[1]
     T, H = hidden.shape
     k = top_k_index.shape[1]
-    E, two_i, _ = gate_up_proj.shape
-    I = two_i // 2
+    two_i = 2 * I
     out = torch.empty_like(hidden, memory_format=torch.contiguous_format)
     if T == 0:
         return out
@@ -207,10 +230,10 @@ def grouped_experts(hidden, top_k_index, top_k_weights, gate_up_proj, gate_up_sc
     h = torch.empty((S, two_i), dtype=hidden.dtype, device=dev)
     if gate_up_act_scale is None:
         q, qs = _quantize(hidden, bk, T)
-        _gemm(q, qs, gate_up_proj, gate_up_scale_inv, block, h, offsets=offsets, perm=perm, gather_a=True, topk=k)
+        gate_up_gemm(q, qs, h, offsets=offsets, perm=perm, gather_a=True, topk=k)
     else:
         q, qs = _quantize(hidden, bk, S, perm=perm, offsets=offsets, act_scale=gate_up_act_scale, topk=k)
-        _gemm(q, qs, gate_up_proj, gate_up_scale_inv, block, h, offsets=offsets, static=True)
+        gate_up_gemm(q, qs, h, offsets=offsets, static=True)
 
     # act(gate) * up, rounded, quantised for the down projection
     static_down = down_act_scale is not None
@@ -226,8 +249,7 @@ def grouped_experts(hidden, top_k_index, top_k_weights, gate_up_proj, gate_up_sc
 
     # down: y (S, H) back in slot order; sentinel slots' rows are left unwritten
     y = torch.empty((S, H), dtype=hidden.dtype, device=dev)
-    _gemm(a_q, a_s, down_proj, down_scale_inv, block, y, offsets=offsets, perm=perm, scatter_out=True,
-          static=static_down)
+    down_gemm(a_q, a_s, y, offsets=offsets, perm=perm, scatter_out=True, static=static_down)
 
     grid, kp, block_h = combine_launch_shape(T, H, k)
     _combine_kernel[grid](

@@ -1,0 +1,108 @@
+"""Entry point of ``fp8_moe::grouped_experts_list``: the grouped expert forward on
+per-expert weight lists (``nn.ModuleList`` experts), reading every expert's weight and
+scale tensors where they are.  No stacked copy exists, neither per call nor once.
+
+The grouped GEMM (:mod:`.grouped_gemm`, ``W_TABLE``) takes the experts' addresses from
+a device-side table: one int64 tensor holding the addresses of every tensor of the four
+lists (gate_up weights, their scales, down weights, their scales).  A table is built
+by one host-to-device copy the first time a set of tensors is seen and reused by every
+later call with the same set (key: the tensors' addresses, the device, and the first
+tensor's layout of each list; the op's checks hold every expert to it).  An address is
+all a table holds, so:
+
+* a weight updated in place (``copy_``, an optimiser step) keeps its address: the
+  table stays right;
+* a replaced parameter (``module.weight = new``, ``.data = ...``, a reload) has a new
+  address: the next call builds and caches a new table;
+* a CUDA graph captures the table's address; tables are never freed (32 bytes per
+  expert per set of tensors), so a graph replays against a live table.  A table is
+  never built during capture (the host-to-device copy cannot be captured): run one
+  eager call before capturing, as one does anyway to warm up Triton; a replaced
+  parameter needs a re-capture, as with any captured graph.
+
+Gate and up as separate lists (2E matrices: every gate, then every up) launch the
+gate_up GEMM twice, once per half of the (S, 2I) output, with the launch config of the
+fused (2I, H) matrix: each output element is computed exactly as with the stacked
+weights, so the op equals ``grouped_experts`` on the stacked tensors bitwise.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .grouped_gemm import WeightTable
+from .moe import _block, _gemm, experts_forward
+
+__all__ = ["grouped_experts_list"]
+
+# (device, first tensors' layouts, addresses) -> (the int64 device table of those
+# addresses, whether every weight address is a multiple of 16 bytes)
+_TABLES: dict[tuple, tuple[torch.Tensor, bool]] = {}
+
+_data_ptr = torch.Tensor.data_ptr
+
+
+def _layout(w: torch.Tensor, s: torch.Tensor) -> tuple:
+    return tuple(w.shape), tuple(s.shape), s.stride(), s.dtype
+
+
+def address_table(lists: tuple, device: torch.device) -> tuple[torch.Tensor, bool]:
+    """The cached (sum of list lengths,) int64 table of the tensors' addresses on
+    ``device``, and whether the weights' (lists 0 and 2) addresses are all 16-byte aligned
+    (separate allocations always are; views into one tensor may not be).
+
+    Raises RuntimeError when the table does not exist yet and the current CUDA stream
+    is capturing a graph."""
+    key = (device, *[_layout(ws[0], ss[0]) for ws, ss in zip(lists[::2], lists[1::2])],
+           *[tuple(map(_data_ptr, ts)) for ts in lists])
+    entry = _TABLES.get(key)
+    if entry is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "fp8_moe::grouped_experts_list: no address table for these expert tensors yet, and one cannot "
+                "be built while a CUDA graph is being captured; run one eager call with the same weights "
+                "before capturing (a replaced parameter needs one more eager call and a re-capture)")
+        ptrs = key[-len(lists):]
+        table = torch.tensor([p for ts in ptrs for p in ts], dtype=torch.int64, device=device)
+        aligned = all(p % 16 == 0 for ts in ptrs[::2] for p in ts)
+        entry = _TABLES[key] = (table, aligned)
+    return entry
+
+
+def _weights(table, aligned: bool, start: int, count: int, w0: torch.Tensor, s0: torch.Tensor, scale_start: int):
+    gn, gk = s0.shape
+    sn, sk = s0.stride()
+    return WeightTable(table[start:start + count], table[scale_start:scale_start + count], (count, *w0.shape), gn,
+                       (0 if gn == 1 else sn, 0 if gk == 1 else sk), s0.dtype == torch.float8_e8m0fnu,
+                       16 if aligned else 1)
+
+
+def grouped_experts_list(hidden, top_k_index, top_k_weights, gate_up_proj, gate_up_scale_inv, down_proj,
+                         down_scale_inv, block_size, activation="silu", gate_up_act_scale=None,
+                         down_act_scale=None, swiglu_limit=None):
+    """Whole expert forward on per-expert lists: hidden (T, H), top_k_index /
+    top_k_weights (T, k) -> (T, H).  ``down_proj``: E (H, I) matrices;
+    ``gate_up_proj``: E fused (2I, H) matrices, or 2E (I, H) (every gate, then every up);
+    each with its scale grid in the matching ``*_scale_inv`` list."""
+    block = _block(block_size)
+    E, G = len(down_proj), len(gate_up_proj)
+    I = down_proj[0].shape[1]
+    table, aligned = address_table((gate_up_proj, gate_up_scale_inv, down_proj, down_scale_inv), hidden.device)
+    down = _weights(table, aligned, 2 * G, E, down_proj[0], down_scale_inv[0], 2 * G + E)
+    if G == E:
+        gate_up = _weights(table, aligned, 0, E, gate_up_proj[0], gate_up_scale_inv[0], G)
+
+        def gate_up_gemm(q, qs, h, **launch):
+            _gemm(q, qs, gate_up, None, block, h, **launch)
+    else:
+        gate = _weights(table, aligned, 0, E, gate_up_proj[0], gate_up_scale_inv[0], G)
+        up = _weights(table, aligned, E, E, gate_up_proj[0], gate_up_scale_inv[0], G + E)
+
+        def gate_up_gemm(q, qs, h, **launch):
+            _gemm(q, qs, gate, None, block, h[:, :I], config_n=2 * I, **launch)
+            _gemm(q, qs, up, None, block, h[:, I:], config_n=2 * I, **launch)
+
+    return experts_forward(
+        hidden, top_k_index, top_k_weights, E, I, block, gate_up_gemm,
+        lambda a, a_s, y, **launch: _gemm(a, a_s, down, None, block, y, **launch),
+        activation, gate_up_act_scale, down_act_scale, swiglu_limit)

@@ -1,0 +1,194 @@
+"""CUDA-only tests of ``fp8_moe::grouped_experts_list`` and the rewritten ModuleList
+loop (skipped without a GPU; on the H200: ``python -m pytest tests/test_gpu_modlist.py -q``):
+bitwise equal to the stacked op, no second copy of the weights in memory, CUDA graph
+capture after one eager call, a replaced parameter read through a new address table."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fp8_moe_ops
+import fp8_moe_ops.passes
+from fp8_moe_ops import FP8Linear
+from fp8_moe_ops.kernels import moe_list
+
+from helpers import as_expert_lists, make_experts_inputs
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+OPS = torch.ops.fp8_moe
+
+
+def _cuda(args: dict) -> dict:
+    def move(v):
+        if isinstance(v, torch.Tensor):
+            return v.cuda()
+        if isinstance(v, list) and v and isinstance(v[0], torch.Tensor):
+            return [t.cuda() for t in v]
+        return v
+
+    return {k: move(v) for k, v in args.items()}
+
+
+def _stacked_and_lists(T, E, H, I, k, separate, **kw):
+    """The stacked op's kwargs and the list op's, each expert's tensors copied to
+    addresses of their own (as in a ModuleList)."""
+    a = _cuda(make_experts_inputs(T, E, H, I, k, [128, 128], **kw))
+    lists = as_expert_lists(a, separate)
+    for name in ("gate_up_proj", "gate_up_scale_inv", "down_proj", "down_scale_inv"):
+        lists[name] = [t.clone() for t in lists[name]]
+    return a, lists
+
+
+# (T, E, H, I, k, separate, extra): what each probes
+SHAPES = [
+    (1, 8, 256, 128, 2, False, {}),                                     # decode, fused gate_up
+    (64, 16, 512, 256, 4, True, {}),                                    # separate w1 / w3
+    (300, 7, 384, 200, 3, True, dict(per_tensor=True, routing="sentinel")),  # I not a multiple of 128, sentinels
+    (257, 5, 256, 256, 2, False, dict(static=True, scale_dtype=torch.float8_e8m0fnu)),  # static, UE8M0
+    (0, 4, 256, 128, 2, True, {}),                                      # T = 0
+    (4096, 8, 512, 256, 2, True, {}),                                   # many rows per expert (big tiles)
+]
+
+
+@pytest.mark.parametrize("T,E,H,I,k,separate,extra", SHAPES)
+def test_list_op_equals_stacked_op_bitwise(T, E, H, I, k, separate, extra):
+    a, lists = _stacked_and_lists(T, E, H, I, k, separate, **extra)
+    want = OPS.grouped_experts(**a, activation="silu", swiglu_limit=7.0)
+    got = OPS.grouped_experts_list(**lists, activation="silu", swiglu_limit=7.0)
+    assert torch.equal(got, want)
+
+
+class _Expert(nn.Module):
+    def __init__(self, H, I, gen):
+        super().__init__()
+        lin = [nn.Linear(H, I, bias=False), nn.Linear(I, H, bias=False), nn.Linear(H, I, bias=False)]
+        for m in lin:
+            m.weight.data = torch.randn(m.weight.shape, generator=gen) * 0.05
+        self.w1, self.w2, self.w3 = (FP8Linear.from_float(m) for m in lin)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class _ModuleListMoE(nn.Module):
+    """A Mixtral-style loop over nn.ModuleList experts (w1 gate, w3 up, w2 down)."""
+
+    def __init__(self, E, H, I):
+        super().__init__()
+        gen = torch.Generator().manual_seed(0)
+        self.experts = nn.ModuleList(_Expert(H, I, gen) for _ in range(E))
+
+    def forward(self, hidden, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden)
+        for e in range(len(self.experts)):
+            tok, pos = torch.where(top_k_index == e)
+            y = self.experts[e](hidden[tok]) * top_k_weights[tok, pos, None]
+            out.index_add_(0, tok, y.to(hidden.dtype))
+        return out
+
+    def stacked(self):
+        ex = self.experts
+        return (torch.stack([torch.cat([e.w1.weight, e.w3.weight]) for e in ex]),
+                torch.stack([torch.cat([e.w1.weight_scale_inv, e.w3.weight_scale_inv]) for e in ex]),
+                torch.stack([e.w2.weight for e in ex]), torch.stack([e.w2.weight_scale_inv for e in ex]))
+
+
+def _inputs(T, E, H, k, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    w, idx = torch.topk(torch.softmax(torch.randn(T, E, generator=g), -1), k)
+    return x.cuda(), idx.cuda(), w.to(torch.bfloat16).cuda()
+
+
+def test_rewritten_modulelist_memory_is_the_stacked_ops():
+    # 8 experts of 1024 x 2048: 48 MiB of fp8 weights; a stacked copy would show
+    E, H, I, T, k = 8, 1024, 2048, 512, 2
+    m = _ModuleListMoE(E, H, I).cuda()
+    args = _inputs(T, E, H, k, seed=1)
+    torch._dynamo.reset()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    with fp8_moe_ops.passes.enabled(), torch.no_grad():
+        c = torch.compile(m, fullgraph=True)
+        got = c(*args)  # compiles, builds the address table
+        torch.cuda.synchronize()
+        kept = torch.cuda.memory_allocated() - before - got.numel() * got.element_size()
+        assert kept <= 1 << 20, f"compiling kept {kept} bytes: a copy of the weights?"
+        del got
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        got = c(*args)
+        list_peak = torch.cuda.max_memory_allocated() - base
+    stacked = m.stacked()  # allocated before measuring: the stacked op's own peak only
+    OPS.grouped_experts(*args, *stacked, [128, 128])
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    want = OPS.grouped_experts(*args, *stacked, [128, 128])
+    stacked_peak = torch.cuda.max_memory_allocated() - base
+    assert list_peak <= stacked_peak + (1 << 20), (list_peak, stacked_peak)
+    assert torch.equal(got, want)
+
+
+def test_cuda_graph_capture_after_one_eager_call():
+    _, lists = _stacked_and_lists(16, 8, 256, 128, 2, True)
+    eager = OPS.grouped_experts_list(**lists)  # builds the table outside capture
+    static_hidden = lists["hidden"].clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = OPS.grouped_experts_list(**dict(lists, hidden=static_hidden))
+    graph.replay()
+    assert torch.equal(out, eager)
+    new_hidden = torch.randn(static_hidden.shape, generator=torch.Generator().manual_seed(1)).to(static_hidden)
+    static_hidden.copy_(new_hidden)
+    graph.replay()
+    assert torch.equal(out, OPS.grouped_experts_list(**dict(lists, hidden=new_hidden)))
+
+
+def test_capture_without_a_table_is_a_clear_error():
+    _, lists = _stacked_and_lists(16, 4, 256, 128, 2, False, seed=5)
+    OPS.grouped_experts_list(**lists)  # Triton compiled for these shapes
+    fresh = dict(lists, down_proj=[t.clone() for t in lists["down_proj"]])  # new addresses: no table yet
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="run one eager call"):
+        with torch.cuda.graph(graph):
+            OPS.grouped_experts_list(**fresh)
+
+
+def _negated(w):
+    """-w of an e4m3 tensor (a new tensor): the sign bit flipped."""
+    return w.view(torch.uint8).bitwise_xor(0x80).view(torch.float8_e4m3fn)
+
+
+def test_replaced_parameter_gets_a_new_table():
+    m = _ModuleListMoE(4, 256, 128).cuda()
+    args = _inputs(32, 4, 256, 2, seed=2)
+    with fp8_moe_ops.passes.enabled(), torch.no_grad():
+        c = torch.compile(m, fullgraph=True)
+        first = c(*args)
+        tables = len(moe_list._TABLES)
+        # a new tensor (new address) for one expert's gate weight: the next call reads it
+        w1 = m.experts[2].w1
+        w1.weight = nn.Parameter(_negated(w1.weight.detach()), requires_grad=False)
+        second = c(*args)
+        assert len(moe_list._TABLES) == tables + 1
+        assert not torch.equal(first, second)
+        assert torch.equal(second, OPS.grouped_experts(*args, *m.stacked(), [128, 128]))
+        # updated in place: same addresses, same table, the new values
+        m.experts[0].w2.weight.view(torch.uint8).bitwise_xor_(0x80)  # negated in place
+        third = c(*args)
+        assert len(moe_list._TABLES) == tables + 1
+        assert torch.equal(third, OPS.grouped_experts(*args, *m.stacked(), [128, 128]))
+
+
+def test_rewritten_modulelist_in_reduce_overhead_mode():
+    # cudagraph trees run the first call eagerly (the table is built), then record and replay
+    m = _ModuleListMoE(8, 256, 128).cuda()
+    args = _inputs(24, 8, 256, 2, seed=3)
+    torch._dynamo.reset()
+    with fp8_moe_ops.passes.enabled(), torch.no_grad():
+        c = torch.compile(m, mode="reduce-overhead")
+        want = OPS.grouped_experts(*args, *m.stacked(), [128, 128])
+        for _ in range(4):
+            assert torch.equal(c(*args), want)

@@ -1,0 +1,195 @@
+"""``fp8_moe::grouped_experts_list`` (per-expert weight lists) on CPU: bitwise equal to
+``grouped_experts`` on the stacked tensors, bad input, opcheck, torch.compile."""
+
+import pytest
+import torch
+
+import fp8_moe_ops
+from helpers import as_expert_lists, make_experts_inputs
+
+OPS = torch.ops.fp8_moe
+
+# (T, E, H, I, k, block, extra make_experts_inputs kwargs): what each probes
+SHAPES = [
+    (0, 4, 64, 32, 2, [16, 16], {}),                               # T = 0
+    (1, 4, 64, 32, 2, [16, 16], {}),                               # T = 1
+    (9, 7, 40, 48, 3, [16, 16], {}),                               # prime E, H not a multiple of the block
+    (7, 5, 72, 40, 2, [32, 16], {}),                               # K (H) and N (2I) not multiples of bn / bk
+    (11, 5, 64, 32, 2, [16, 16], dict(routing="skip0")),           # an expert with no tokens
+    (8, 5, 64, 32, 2, [16, 16], dict(routing="one")),              # all tokens on one expert
+    (10, 5, 64, 32, 3, [16, 16], dict(routing="sentinel")),        # ids outside [0, E)
+    (9, 3, 48, 32, 2, [16, 16], dict(per_tensor=True)),            # (1, 1) per-tensor scales
+    (9, 3, 48, 32, 2, [16, 16], dict(scale_dtype=torch.float8_e8m0fnu)),  # UE8M0 scales
+    (9, 3, 48, 32, 2, [16, 16], dict(static=True, dtype=torch.float16)),  # static activation scales
+]
+
+
+@pytest.mark.parametrize("separate", [False, True], ids=["fused", "separate"])
+@pytest.mark.parametrize("T,E,H,I,k,block,extra", SHAPES)
+def test_list_op_equals_stacked_op_bitwise(T, E, H, I, k, block, extra, separate):
+    if separate and I % block[0] and not extra.get("per_tensor"):
+        pytest.skip("no stacked grid splits at I (test_separate_gate_up_whose_grid_straddles_i covers it)")
+    a = make_experts_inputs(T, E, H, I, k, block, **extra)
+    stacked = OPS.grouped_experts(**a, activation="gelu_tanh", swiglu_limit=3.0)
+    got = OPS.grouped_experts_list(**as_expert_lists(a, separate), activation="gelu_tanh", swiglu_limit=3.0)
+    assert got.shape == (T, H) and got.dtype == a["hidden"].dtype
+    assert torch.equal(got, stacked)
+
+
+def test_separate_gate_up_whose_grid_straddles_i():
+    # I = 24, bn = 16: no stacked (2I, H) grid at bn = 16 exists (a block would straddle
+    # gate and up); the same real weights stack exactly at bn = 8, each 16-row scale
+    # repeated over two 8-row blocks.
+    E, H, I = 3, 32, 24
+    gen = torch.Generator().manual_seed(3)
+    a = make_experts_inputs(6, E, H, I, 2, [16, 16], seed=3)
+    gates = [fp8_moe_ops.quantize_weight(torch.randn(I, H, generator=gen) / 4, (16, 16)) for _ in range(E)]
+    ups = [fp8_moe_ops.quantize_weight(torch.randn(I, H, generator=gen) / 4, (16, 16)) for _ in range(E)]
+    lists = as_expert_lists(a)
+    lists["gate_up_proj"] = [w for w, _ in gates + ups]
+    lists["gate_up_scale_inv"] = [s for _, s in gates + ups]
+    got = OPS.grouped_experts_list(**lists)
+
+    def grid8(s):  # (2, gk) at 16 rows -> (3, gk) at 8 rows for I = 24
+        return s.repeat_interleave(2, dim=0)[:3]
+
+    stacked = dict(
+        a, block_size=[8, 16],
+        gate_up_proj=torch.stack([torch.cat([g, u]) for (g, _), (u, _) in zip(gates, ups)]),
+        gate_up_scale_inv=torch.stack([torch.cat([grid8(gs), grid8(us)]) for (_, gs), (_, us) in zip(gates, ups)]),
+        down_scale_inv=a["down_scale_inv"].repeat_interleave(2, dim=1),
+    )
+    assert torch.equal(got, OPS.grouped_experts(**stacked))
+
+
+def _lists(separate=False, **kw):
+    return as_expert_lists(make_experts_inputs(5, 4, 64, 32, 2, [16, 16], seed=7, **kw), separate)
+
+
+def _replace(lists: dict, name: str, i: int, t) -> dict:
+    new = list(lists[name])
+    new[i] = t
+    return dict(lists, **{name: new})
+
+
+def _noncontiguous(w):
+    return w.t().contiguous().t()  # same shape and values, column-major
+
+
+# (change of the lists, exception, message fragment): each names the argument and the expert
+BAD = [
+    (lambda a: _replace(a, "down_proj", 2, a["down_proj"][2][:, :16].contiguous()), ValueError,
+     r"down_scale_inv\[2\]: expected shape \(4, 1\)"),                                   # ragged down
+    (lambda a: _replace(a, "gate_up_proj", 3, a["gate_up_proj"][3].float()), TypeError,
+     r"gate_up_proj\[3\]: expected dtype torch.float8_e4m3fn"),                          # mixed dtypes
+    (lambda a: _replace(a, "gate_up_scale_inv", 1, a["gate_up_scale_inv"][1].to(torch.float8_e8m0fnu)), TypeError,
+     r"gate_up_scale_inv\[1\]: expected shape \(4, 4\), strides \(4, 1\), dtype torch.float32"),  # mixed scale dtypes
+    (lambda a: _replace(a, "down_scale_inv", 2, torch.ones(1, 1)), ValueError,
+     r"down_scale_inv\[2\]: expected shape \(4, 2\)"),                                  # mixed block grids
+    (lambda a: _replace(a, "down_proj", 1, a["down_proj"][1].to("meta")), ValueError,
+     r"down_proj\[1\]: expected shape \(64, 32\), dtype torch.float8_e4m3fn on cpu"),    # mixed devices
+    (lambda a: _replace(a, "gate_up_proj", 1, _noncontiguous(a["gate_up_proj"][1])), ValueError,
+     r"gate_up_proj\[1\]: expected a contiguous tensor"),
+    (lambda a: _replace(a, "gate_up_scale_inv", 2, -a["gate_up_scale_inv"][2]), ValueError,
+     r"gate_up_scale_inv\[2\]: expected finite positive"),
+    (lambda a: dict(a, gate_up_proj=a["gate_up_proj"] + a["gate_up_proj"][:1]), ValueError,
+     r"gate_up_proj: expected 4 fused \(2I, H\) tensors or 8 separate"),                 # neither E nor 2E
+    (lambda a: dict(a, down_scale_inv=a["down_scale_inv"][:3]), ValueError, "down_scale_inv: expected 4 tensors"),
+    (lambda a: dict(a, down_proj=[], down_scale_inv=[]), ValueError, "down_proj: expected a non-empty list"),
+    (lambda a: dict(a, hidden=a["hidden"][:, :48], gate_up_proj=[w[:, :48].contiguous() for w in a["gate_up_proj"]],
+                    gate_up_scale_inv=[s[:, :3].contiguous() for s in a["gate_up_scale_inv"]]), ValueError,
+     r"down_proj\[0\]: expected shape \(48, I\)"),                                          # H mismatch
+    (lambda a: dict(a, gate_up_proj=[w[:48].contiguous() for w in a["gate_up_proj"]],
+                    gate_up_scale_inv=[s[:3].contiguous() for s in a["gate_up_scale_inv"]]), ValueError,
+     r"gate_up_proj\[0\]: expected shape \(64, 64\)"),                                       # 2I mismatch
+    (lambda a: dict(a, gate_up_act_scale=torch.ones(3)), ValueError, r"gate_up_act_scale: expected shape \(4,\)"),
+    (lambda a: dict(a, activation="tanh"), ValueError, "activation: expected one of"),
+]
+
+
+@pytest.mark.parametrize("change,exc,match", BAD)
+def test_bad_input(change, exc, match):
+    with pytest.raises(exc, match=match):
+        OPS.grouped_experts_list(**change(_lists()))
+
+
+def test_bad_separate_gate_up_shape():
+    a = _lists(separate=True)
+    a = _replace(a, "gate_up_proj", 5, a["gate_up_proj"][5][:16].contiguous())
+    with pytest.raises(ValueError, match=r"gate_up_scale_inv\[5\]: expected shape \(1, 4\)"):
+        OPS.grouped_experts_list(**a)
+
+
+def test_errors_also_raise_under_fake_tensors():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    a = _lists()
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake = {k: ([mode.from_tensor(t) for t in v] if isinstance(v, list) and isinstance(v[0], torch.Tensor)
+                    else mode.from_tensor(v) if isinstance(v, torch.Tensor) else v) for k, v in a.items()}
+        assert OPS.grouped_experts_list(**fake).shape == (5, 64)
+        with pytest.raises(TypeError, match=r"gate_up_proj\[3\]: expected dtype"):
+            OPS.grouped_experts_list(**_replace(fake, "gate_up_proj", 3, fake["gate_up_proj"][3].float()))
+
+
+@pytest.mark.parametrize("separate", [False, True])
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("T", [0, 6])
+def test_opcheck(separate, static, T):
+    a = as_expert_lists(make_experts_inputs(T, 3, 64, 32, 2, [32, 32], static=static,
+                                            scale_dtype=torch.float8_e8m0fnu), separate)
+    names = ("hidden", "top_k_index", "top_k_weights", "gate_up_proj", "gate_up_scale_inv", "down_proj",
+             "down_scale_inv", "block_size")
+    kwargs = {k: a[k] for k in ("gate_up_act_scale", "down_act_scale") if k in a}
+    # test_schema needs allclose, which torch does not implement for float8 on CPU.
+    torch.library.opcheck(OPS.grouped_experts_list.default, tuple(a[k] for k in names),
+                          dict(kwargs, activation="gelu", swiglu_limit=5.0),
+                          test_utils=("test_faketensor", "test_aot_dispatch_dynamic", "test_autograd_registration"))
+
+
+def test_compile_fullgraph_dynamic():
+    torch._dynamo.reset()
+    a = as_expert_lists(make_experts_inputs(7, 3, 64, 32, 2, [16, 16]), separate=True)
+
+    def f(hidden, idx, w):
+        return OPS.grouped_experts_list(hidden, idx, w, a["gate_up_proj"], a["gate_up_scale_inv"], a["down_proj"],
+                                        a["down_scale_inv"], [16, 16])
+
+    c = torch.compile(f, fullgraph=True, dynamic=True)
+    for T in (7, 11):
+        b = make_experts_inputs(T, 3, 64, 32, 2, [16, 16], seed=T)
+        args = (b["hidden"], b["top_k_index"], b["top_k_weights"])
+        assert torch.equal(c(*args), f(*args))
+
+
+def test_address_table_cached_per_set_of_tensors():
+    # pure torch on CPU: the table the Triton kernel reads (its use is tested in the interpreter)
+    from fp8_moe_ops.kernels.moe_list import address_table
+
+    a = _lists()
+    lists = (a["gate_up_proj"], a["gate_up_scale_inv"], a["down_proj"], a["down_scale_inv"])
+    table, aligned = address_table(lists, torch.device("cpu"))
+    want = [t.data_ptr() for ts in lists for t in ts]
+    assert table.dtype == torch.int64 and table.tolist() == want
+    assert aligned  # rows of (E, N, K) tensors with N * K a multiple of 16
+    # the same tensors (in new lists, as each call passes them): the same table, not rebuilt
+    assert address_table(tuple(list(ts) for ts in lists), torch.device("cpu"))[0] is table
+    # updated in place: the addresses hold, so does the table
+    a["down_proj"][1].view(torch.uint8).add_(1)
+    assert address_table(lists, torch.device("cpu"))[0] is table
+    # a replaced tensor: a new table with its address
+    new_w = a["down_proj"][1].clone()
+    replaced = (lists[0], lists[1], [lists[2][0], new_w, *lists[2][2:]], lists[3])
+    other, _ = address_table(replaced, torch.device("cpu"))
+    assert other is not table and other[2 * 4 + 1].item() == new_w.data_ptr()  # after 4 + 4 gate_up entries
+
+
+def test_address_table_knows_unaligned_weights():
+    # a weight view starting 8 bytes into a buffer: the kernel must not be told "16-byte aligned"
+    from fp8_moe_ops.kernels.moe_list import address_table
+
+    a = _lists()
+    buf = torch.empty(64 * 32 + 8, dtype=torch.float8_e4m3fn)
+    odd = buf[8:].view(64, 32)
+    lists = (a["gate_up_proj"], a["gate_up_scale_inv"], [odd, *a["down_proj"][1:]], a["down_scale_inv"])
+    assert not address_table(lists, torch.device("cpu"))[1]
