@@ -1,1 +1,0 @@
-from .reference import cdiv
