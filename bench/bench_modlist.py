@@ -26,24 +26,12 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_moe import BLOCK, MODELS, bench, bench_graph, layer_inputs, layer_weights, log  # noqa: E402
+from common import BLOCK, MODELS, graph_ms, host_us_per_call, layer_inputs, layer_weights, log, time_ms  # noqa: E402
 
 OPS = torch.ops.fp8_moe
 TOKENS = [1, 64, 1024, 16384]
 HOST_TOKENS = (1, 64)  # larger T would fill the launch queue and time the GPU instead
 FORMS = ("stacked", "fused", "separate")
-
-
-def host_us(fn, calls=100) -> float:
-    """CPU time of one call: ``calls`` back-to-back calls, timed before the final sync."""
-    fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    elapsed = time.perf_counter() - t0
-    torch.cuda.synchronize()
-    return elapsed / calls * 1e6
 
 
 def weight_lists(gu, gus, dp, dps):
@@ -58,13 +46,14 @@ def weight_lists(gu, gus, dp, dps):
 
 
 def run_model(model, tokens, gen, results):
-    E, H, I, k = MODELS[model]
+    m = MODELS[model]
+    E, H, I, k = m.E, m.H, m.I, m.top_k
     t0 = time.time()
-    stacked = layer_weights(model, gen)
+    stacked = layer_weights(m, gen)
     lists = weight_lists(*stacked)
     operands = {"stacked": (OPS.grouped_experts, stacked), **{f: (OPS.grouped_experts_list, w) for f, w in lists.items()}}
     for T in tokens:
-        x, idx, w = layer_inputs(model, T, gen)
+        x, idx, w = layer_inputs(m, T, gen)
         row = {"model": model, "E": E, "H": H, "I": I, "top_k": k, "T": T}
         want = None
         for form in FORMS:
@@ -77,10 +66,10 @@ def run_model(model, tokens, gen, results):
             if want is None:
                 want = out
             row[f"{form}_bitwise"] = bool(torch.equal(out, want))
-            row[f"{form}_ms"] = bench(call, rep_ms=100)
-            row[f"{form}_graph_ms"] = bench_graph(call)
+            row[f"{form}_ms"] = time_ms(call, rep_ms=100)
+            row[f"{form}_graph_ms"] = graph_ms(call)
             if T in HOST_TOKENS:
-                row[f"{form}_host_us"] = host_us(call)
+                row[f"{form}_host_us"] = host_us_per_call(call)[0]
         for form in ("fused", "separate"):
             row[f"{form}_ratio"] = row[f"{form}_ms"] / row["stacked_ms"]
             row[f"{form}_graph_ratio"] = row[f"{form}_graph_ms"] / row["stacked_graph_ms"]

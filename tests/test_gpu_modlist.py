@@ -167,27 +167,32 @@ def test_replaced_parameter_gets_a_new_table():
     with fp8_moe_ops.passes.enabled(), torch.no_grad():
         c = torch.compile(m, fullgraph=True)
         first = c(*args)
-        tables = len(moe_list._TABLES)
         # a new tensor (new address) for one expert's gate weight: the next call reads it
+        # (through a table keyed by the new addresses; one built earlier for the same
+        # addresses, whose storage the caching allocator reused, is the same table)
         w1 = m.experts[2].w1
         w1.weight = nn.Parameter(_negated(w1.weight.detach()), requires_grad=False)
         second = c(*args)
-        assert len(moe_list._TABLES) == tables + 1
+        assert any(w1.weight.data_ptr() in table.tolist() for table, _ in moe_list._TABLES.values())
         assert not torch.equal(first, second)
         assert torch.equal(second, OPS.grouped_experts(*args, *m.stacked(), [128, 128]))
         # updated in place: same addresses, same table, the new values
         m.experts[0].w2.weight.view(torch.uint8).bitwise_xor_(0x80)  # negated in place
         third = c(*args)
-        assert len(moe_list._TABLES) == tables + 1
+        assert any(w1.weight.data_ptr() in table.tolist() for table, _ in moe_list._TABLES.values())
         assert torch.equal(third, OPS.grouped_experts(*args, *m.stacked(), [128, 128]))
 
 
 def test_rewritten_modulelist_in_reduce_overhead_mode():
-    # cudagraph trees run the first call eagerly (the table is built), then record and replay
+    # cudagraph trees allocate their warm-up run's memory from the graph pool, where an
+    # address table built then would stay alive untracked: as for a manual capture, one
+    # call outside CUDA graphs builds the table first (docs/ops.md)
     m = _ModuleListMoE(8, 256, 128).cuda()
     args = _inputs(24, 8, 256, 2, seed=3)
     torch._dynamo.reset()
     with fp8_moe_ops.passes.enabled(), torch.no_grad():
+        torch.compile(m)(*args)
+        torch._dynamo.reset()
         c = torch.compile(m, mode="reduce-overhead")
         want = OPS.grouped_experts(*args, *m.stacked(), [128, 128])
         for _ in range(4):
