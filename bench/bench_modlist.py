@@ -25,6 +25,8 @@ import time
 
 import torch
 
+import fp8_moe_ops  # noqa: F401  (registers torch.ops.fp8_moe)
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import BLOCK, MODELS, graph_ms, host_us_per_call, layer_inputs, layer_weights, log, time_ms  # noqa: E402
 

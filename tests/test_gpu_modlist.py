@@ -168,18 +168,14 @@ def test_replaced_parameter_gets_a_new_table():
         c = torch.compile(m, fullgraph=True)
         first = c(*args)
         # a new tensor (new address) for one expert's gate weight: the next call reads it
-        # (through a table keyed by the new addresses; one built earlier for the same
-        # addresses, whose storage the caching allocator reused, is the same table)
         w1 = m.experts[2].w1
         w1.weight = nn.Parameter(_negated(w1.weight.detach()), requires_grad=False)
         second = c(*args)
-        assert any(w1.weight.data_ptr() in table.tolist() for table, _ in moe_list._TABLES.values())
         assert not torch.equal(first, second)
         assert torch.equal(second, OPS.grouped_experts(*args, *m.stacked(), [128, 128]))
         # updated in place: same addresses, same table, the new values
         m.experts[0].w2.weight.view(torch.uint8).bitwise_xor_(0x80)  # negated in place
         third = c(*args)
-        assert any(w1.weight.data_ptr() in table.tolist() for table, _ in moe_list._TABLES.values())
         assert torch.equal(third, OPS.grouped_experts(*args, *m.stacked(), [128, 128]))
 
 
