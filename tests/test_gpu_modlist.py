@@ -11,7 +11,6 @@ from torch import nn
 import fp8_moe_ops
 import fp8_moe_ops.passes
 from fp8_moe_ops import FP8Linear
-from fp8_moe_ops.kernels import moe_list
 
 from helpers import as_expert_lists, make_experts_inputs
 
