@@ -165,7 +165,7 @@ class ExpertParallel(nn.Module):
         """The local experts on received rows x (n, H), one local expert id each: each
         row's down projection rounded to x's dtype (top_k = 1, weight 1.0: exact)."""
         ones = torch.ones(x.shape[0], 1, dtype=torch.float32, device=x.device)
-        return torch.ops.fp8_moe.grouped_experts(x, local_ids[:, None], ones, *self.local_experts._op_args())
+        return torch.ops.fp8_moe.grouped_experts(x, local_ids[:, None], ones, *self.local_experts.expert_weights())
 
     def _check(self, hidden_states, top_k_index, top_k_weights) -> None:
         H = self.local_experts.hidden_size
