@@ -189,14 +189,28 @@ class TestInstall(TestCase):
         self.assertEqual(seen, [True])
         self.assertIn(GROUPED, graph_text(gm))
 
-    def test_uuid_hashes_the_pass_sources(self):
+    def test_uuid_changes_with_the_pass_sources_and_only_with_them(self):
+        import shutil
+        import tempfile
         from pathlib import Path
 
-        from torch._inductor.custom_graph_pass import get_hash_for_files
+        def uuid_of(folder: Path) -> str:
+            with unittest.mock.patch.object(passes, "__file__", str(folder / "__init__.py")):
+                passes._uuid.cache_clear()
+                try:
+                    return MoELoopPass().uuid()
+                finally:
+                    passes._uuid.cache_clear()
 
-        files = tuple(str(p) for p in sorted(Path(passes.__file__).parent.glob("*.py")))
-        self.assertGreaterEqual(len(files), 3)
-        self.assertEqual(MoELoopPass().uuid(), get_hash_for_files(files, extra=torch.__version__).hex())
+        with tempfile.TemporaryDirectory() as tmp:
+            copies = [Path(tmp) / name for name in ("a", "b", "edited")]
+            for folder in copies:
+                shutil.copytree(Path(passes.__file__).parent, folder, ignore=shutil.ignore_patterns("__pycache__"))
+            (copies[2] / "rewrite.py").write_text((copies[2] / "rewrite.py").read_text() + "\n# edited\n")
+            a, b, edited = map(uuid_of, copies)
+        self.assertEqual(a, b)            # same sources elsewhere: the same key (the cache is shared)
+        self.assertNotEqual(a, edited)    # one changed file: a new key (no stale cached graph)
+        self.assertEqual(MoELoopPass().uuid(), a)  # the installed pass is these sources
 
 
 class TestForms(TestCase):
