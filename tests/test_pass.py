@@ -236,7 +236,7 @@ graph():
     %arg4_1 : [num_users=1] = placeholder[target=arg4_1]
     %arg5_1 : [num_users=1] = placeholder[target=arg5_1]
     %arg6_1 : [num_users=1] = placeholder[target=arg6_1]
-    %grouped_experts_default : [num_users=1] = call_function[target=torch.ops.fp8_moe.grouped_experts.default](args = (%arg0_1, %arg1_1, %arg6_1, %arg2_1, %arg3_1, %arg4_1, %arg5_1, [16, 16], silu, None, None, None), kwargs = {})
+    %grouped_experts_default : [num_users=1] = call_function[target=torch.ops.fp8_moe.grouped_experts.default](args = (%arg0_1, %arg1_1, %arg2_1, %arg3_1, %arg4_1, %arg5_1, %arg6_1, [16, 16], silu, None, None, None), kwargs = {})
     return (grouped_experts_default,)""")
         # the same arithmetic as the eager loop: bitwise
         self.assertTrue(torch.equal(out, m(*args)))
@@ -416,6 +416,7 @@ class TestStatic(TestCase):
         for expert in m.experts:
             for lin in (expert.w1, expert.w2, expert.w3):
                 lin.activation_scale = torch.nn.Parameter(torch.full((1,), 0.05), requires_grad=False)
+                lin.activation_scheme = "static"  # the scale is used under the static scheme only
         with fresh_counters(), inductor_config.patch(freezing=True), \
                 self.assertLogs("fp8_moe_ops.passes", level="INFO") as logs:
             _, gm = post_grad(m, *args)
