@@ -277,28 +277,25 @@ def _check_experts_values(gate_up_scale_inv, down_scale_inv, gate_up_act_scale, 
     _check_scale_values("down_act_scale", down_act_scale)
 
 
-def _experts_op(name: str, ref_fn, kernel_name: str, *, schema: str = EXPERTS_SCHEMA, check=check_experts,
-                check_values=_check_experts_values, doc: str | None = None):
-    """Registers one whole-experts op (grouped, batched, or the per-expert-list variant):
-    the CPU reference and the CUDA kernel behind ``check`` (``check_values`` on CPU
-    only), and a fake of the hidden states' shape."""
+def _experts_op(name: str, ref_fn, kernel_name: str):
+    """Registers one whole-experts op (grouped or batched): same schema, checks and fake."""
 
     def cpu_impl(hidden, top_k_index, top_k_weights, gate_up_proj, gate_up_scale_inv, down_proj, down_scale_inv,
                  block_size, activation="silu", gate_up_act_scale=None, down_act_scale=None, swiglu_limit=None):
         args = (hidden, top_k_index, top_k_weights, gate_up_proj, gate_up_scale_inv, down_proj, down_scale_inv,
                 block_size, activation, gate_up_act_scale, down_act_scale, swiglu_limit)
-        check(*args)
-        check_values(gate_up_scale_inv, down_scale_inv, gate_up_act_scale, down_act_scale)
+        check_experts(*args)
+        _check_experts_values(gate_up_scale_inv, down_scale_inv, gate_up_act_scale, down_act_scale)
         return ref_fn(*args)
 
-    cpu_impl.__doc__ = doc or ref_fn.__doc__
-    op = torch.library.custom_op(f"fp8_moe::{name}", cpu_impl, mutates_args=(), schema=schema)
+    cpu_impl.__doc__ = ref_fn.__doc__
+    op = torch.library.custom_op(f"fp8_moe::{name}", cpu_impl, mutates_args=(), schema=EXPERTS_SCHEMA)
 
     @op.register_fake
     def _(hidden, top_k_index, top_k_weights, gate_up_proj, gate_up_scale_inv, down_proj, down_scale_inv,
           block_size, activation="silu", gate_up_act_scale=None, down_act_scale=None, swiglu_limit=None):
-        check(hidden, top_k_index, top_k_weights, gate_up_proj, gate_up_scale_inv, down_proj,
-              down_scale_inv, block_size, activation, gate_up_act_scale, down_act_scale, swiglu_limit)
+        check_experts(hidden, top_k_index, top_k_weights, gate_up_proj, gate_up_scale_inv, down_proj,
+                      down_scale_inv, block_size, activation, gate_up_act_scale, down_act_scale, swiglu_limit)
         return torch.empty_like(hidden, memory_format=torch.contiguous_format)
 
     @op.register_kernel("cuda")
@@ -306,7 +303,7 @@ def _experts_op(name: str, ref_fn, kernel_name: str, *, schema: str = EXPERTS_SC
           block_size, activation="silu", gate_up_act_scale=None, down_act_scale=None, swiglu_limit=None):
         args = (hidden, top_k_index, top_k_weights, gate_up_proj, gate_up_scale_inv, down_proj, down_scale_inv,
                 block_size, activation, gate_up_act_scale, down_act_scale, swiglu_limit)
-        check(*args)
+        check_experts(*args)
         return getattr(_kernels(), kernel_name)(*args)
 
     return op
@@ -413,19 +410,38 @@ def check_experts_list(hidden, top_k_index, top_k_weights, gate_up_proj, gate_up
                        down_act_scale=down_act_scale)
 
 
-def _check_experts_list_values(gate_up_scale_inv, down_scale_inv, gate_up_act_scale, down_act_scale) -> None:
+@torch.library.custom_op("fp8_moe::grouped_experts_list", mutates_args=(), schema=EXPERTS_LIST_SCHEMA)
+def grouped_experts_list(hidden, top_k_index, top_k_weights, gate_up_proj, gate_up_scale_inv, down_proj,
+                         down_scale_inv, block_size, activation="silu", gate_up_act_scale=None,
+                         down_act_scale=None, swiglu_limit=None):
+    """:func:`grouped_experts` reading each expert's weights where they are (no stacked copy).
+
+    ``down_proj`` / ``down_scale_inv``: E tensors (H, I) and their scale grids;
+    ``gate_up_proj`` / ``gate_up_scale_inv``: E fused (2I, H) tensors, or 2E (I, H):
+    every expert's gate, then every expert's up (Mixtral's w1 list, then w3)."""
+    args = (hidden, top_k_index, top_k_weights, gate_up_proj, gate_up_scale_inv, down_proj, down_scale_inv,
+            block_size, activation, gate_up_act_scale, down_act_scale, swiglu_limit)
+    check_experts_list(*args)
     for name, scales in (("gate_up_scale_inv", gate_up_scale_inv), ("down_scale_inv", down_scale_inv)):
         for i, s in enumerate(scales):
             _check_scale_values(f"{name}[{i}]", s)
     _check_scale_values("gate_up_act_scale", gate_up_act_scale)
     _check_scale_values("down_act_scale", down_act_scale)
+    return reference.grouped_experts_list(*args)
 
 
-grouped_experts_list = _experts_op(
-    "grouped_experts_list", reference.grouped_experts_list, "grouped_experts_list",
-    schema=EXPERTS_LIST_SCHEMA, check=check_experts_list, check_values=_check_experts_list_values,
-    doc=""":func:`grouped_experts` reading each expert's weights where they are (no stacked copy).
+@grouped_experts_list.register_fake
+def _(hidden, top_k_index, top_k_weights, gate_up_proj, gate_up_scale_inv, down_proj, down_scale_inv,
+      block_size, activation="silu", gate_up_act_scale=None, down_act_scale=None, swiglu_limit=None):
+    check_experts_list(hidden, top_k_index, top_k_weights, gate_up_proj, gate_up_scale_inv, down_proj,
+                       down_scale_inv, block_size, activation, gate_up_act_scale, down_act_scale, swiglu_limit)
+    return torch.empty_like(hidden, memory_format=torch.contiguous_format)
 
-    ``down_proj`` / ``down_scale_inv``: E tensors (H, I) and their scale grids;
-    ``gate_up_proj`` / ``gate_up_scale_inv``: E fused (2I, H) tensors, or 2E (I, H):
-    every expert's gate, then every expert's up (Mixtral's w1 list, then w3).""")
+
+@grouped_experts_list.register_kernel("cuda")
+def _(hidden, top_k_index, top_k_weights, gate_up_proj, gate_up_scale_inv, down_proj, down_scale_inv,
+      block_size, activation="silu", gate_up_act_scale=None, down_act_scale=None, swiglu_limit=None):
+    args = (hidden, top_k_index, top_k_weights, gate_up_proj, gate_up_scale_inv, down_proj, down_scale_inv,
+            block_size, activation, gate_up_act_scale, down_act_scale, swiglu_limit)
+    check_experts_list(*args)
+    return _kernels().grouped_experts_list(*args)
