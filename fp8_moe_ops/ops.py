@@ -1,7 +1,8 @@
 """The ``fp8_moe`` operator library: schemas, argument checks, registrations, fakes.
 
-This is the one place that defines each op's contract (``docs/ops.md``).  Every op
-is a ``torch.library.custom_op`` with
+This is the one place that defines each op's contract (``docs/ops.md``).  The GEMM
+ops are ``torch.library.custom_op``s; the whole-experts ops are defined on a
+``torch.library.Library`` (:func:`_experts_op` says why).  Every op has
 
 * a CPU kernel: the pure-torch reference (:mod:`fp8_moe_ops.reference`);
 * a CUDA kernel: the Triton implementation (:mod:`fp8_moe_ops.kernels`);
@@ -277,40 +278,91 @@ def _check_experts_values(gate_up_scale_inv, down_scale_inv, gate_up_act_scale, 
     _check_scale_values("down_act_scale", down_act_scale)
 
 
-def _experts_op(name: str, ref_fn, kernel_name: str):
-    """Registers one whole-experts op (grouped or batched): same schema, checks and fake."""
+_LIB = torch.library.Library("fp8_moe", "FRAGMENT")  # the experts ops (kept alive: it owns the registrations)
+_MAX_CHECKED = 4096  # per op; cleared when full (a model has a handful of call signatures)
+
+
+def _meta_key(args: tuple) -> tuple:
+    """Everything the metadata checks read from the experts ops' arguments: each
+    tensor's dtype, shape, strides and device, and the other arguments' values."""
+    return tuple((a.dtype, a.shape, a.stride(), a.device) if isinstance(a, torch.Tensor)
+                 else tuple(a) if isinstance(a, list) else a for a in args)
+
+
+class _NoAutograd(torch.autograd.Function):
+    """An experts op called with inputs that require grad: the forward runs as usual;
+    a backward through it raises (the ops are inference-only) instead of producing a
+    gradient through the quantisation."""
+
+    @staticmethod
+    def forward(ctx, op, keyset, *args):
+        ctx.name = op.name()
+        return op.redispatch(keyset & torch._C._after_autograd_keyset, *args)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(f"{ctx.name} has no autograd formula (an inference op): run it under "
+                           "torch.no_grad() or torch.inference_mode(), or keep it out of the backward pass")
+
+
+def _experts_op(name: str, schema: str, check, value_check, *, cache_checks: bool = True):
+    """Defines one whole-experts op on :data:`_LIB`: the CPU reference and the CUDA
+    kernel behind ``check``, a fake, and an autograd kernel that refuses backward.
+
+    A ``torch.library.Library`` definition rather than ``custom_op``: ``custom_op``'s
+    generic Python autograd wrapper, redispatch and output-aliasing check cost about
+    14 µs of CPU per call on the H200 machine's host (a no-op op: 22 µs against 8 µs;
+    ``bench/host_overhead.py``), a third of a decode step's budget; the autograd kernel
+    here costs about 3 µs.  On CUDA the metadata checks run once per
+    :func:`_meta_key` (``cache_checks``; the value checks run on CPU only)."""
+    _LIB.define(name + schema)
+    op = getattr(torch.ops.fp8_moe, name).default
+    checked: set = set()
+
+    def autograd_impl(keyset, *args):
+        # the dispatcher passes every argument positionally (the schema has no keyword-only ones)
+        if torch.is_grad_enabled() and torch._C._any_requires_grad(*args):
+            return _NoAutograd.apply(op, keyset, *args)
+        return op.redispatch(keyset & torch._C._after_autograd_keyset, *args)
 
     def cpu_impl(hidden, top_k_index, top_k_weights, gate_up_proj, gate_up_scale_inv, down_proj, down_scale_inv,
                  block_size, activation="silu", gate_up_act_scale=None, down_act_scale=None, swiglu_limit=None):
         args = (hidden, top_k_index, top_k_weights, gate_up_proj, gate_up_scale_inv, down_proj, down_scale_inv,
                 block_size, activation, gate_up_act_scale, down_act_scale, swiglu_limit)
-        check_experts(*args)
-        _check_experts_values(gate_up_scale_inv, down_scale_inv, gate_up_act_scale, down_act_scale)
-        return ref_fn(*args)
+        check(*args)
+        value_check(gate_up_scale_inv, down_scale_inv, gate_up_act_scale, down_act_scale)
+        return getattr(reference, name)(*args)
 
-    cpu_impl.__doc__ = ref_fn.__doc__
-    op = torch.library.custom_op(f"fp8_moe::{name}", cpu_impl, mutates_args=(), schema=EXPERTS_SCHEMA)
-
-    @op.register_fake
-    def _(hidden, top_k_index, top_k_weights, gate_up_proj, gate_up_scale_inv, down_proj, down_scale_inv,
-          block_size, activation="silu", gate_up_act_scale=None, down_act_scale=None, swiglu_limit=None):
-        check_experts(hidden, top_k_index, top_k_weights, gate_up_proj, gate_up_scale_inv, down_proj,
-                      down_scale_inv, block_size, activation, gate_up_act_scale, down_act_scale, swiglu_limit)
-        return torch.empty_like(hidden, memory_format=torch.contiguous_format)
-
-    @op.register_kernel("cuda")
-    def _(hidden, top_k_index, top_k_weights, gate_up_proj, gate_up_scale_inv, down_proj, down_scale_inv,
-          block_size, activation="silu", gate_up_act_scale=None, down_act_scale=None, swiglu_limit=None):
+    def cuda_impl(hidden, top_k_index, top_k_weights, gate_up_proj, gate_up_scale_inv, down_proj, down_scale_inv,
+                  block_size, activation="silu", gate_up_act_scale=None, down_act_scale=None, swiglu_limit=None):
         args = (hidden, top_k_index, top_k_weights, gate_up_proj, gate_up_scale_inv, down_proj, down_scale_inv,
                 block_size, activation, gate_up_act_scale, down_act_scale, swiglu_limit)
-        check_experts(*args)
-        return getattr(_kernels(), kernel_name)(*args)
+        if not cache_checks:
+            check(*args)
+        else:
+            key = _meta_key(args)
+            if key not in checked:
+                check(*args)
+                if len(checked) >= _MAX_CHECKED:
+                    checked.clear()
+                checked.add(key)
+        return getattr(_kernels(), name)(*args)
 
-    return op
+    def fake(hidden, top_k_index, top_k_weights, gate_up_proj, gate_up_scale_inv, down_proj, down_scale_inv,
+             block_size, activation="silu", gate_up_act_scale=None, down_act_scale=None, swiglu_limit=None):
+        check(hidden, top_k_index, top_k_weights, gate_up_proj, gate_up_scale_inv, down_proj, down_scale_inv,
+              block_size, activation, gate_up_act_scale, down_act_scale, swiglu_limit)
+        return torch.empty_like(hidden, memory_format=torch.contiguous_format)
+
+    _LIB.impl(name, autograd_impl, "Autograd", with_keyset=True)
+    _LIB.impl(name, cpu_impl, "CPU")
+    _LIB.impl(name, cuda_impl, "CUDA")
+    torch.library.register_fake(f"fp8_moe::{name}", fake, lib=_LIB)
+    return getattr(torch.ops.fp8_moe, name)
 
 
-grouped_experts = _experts_op("grouped_experts", reference.grouped_experts, "grouped_experts")
-batched_experts = _experts_op("batched_experts", reference.batched_experts, "batched_experts")
+grouped_experts = _experts_op("grouped_experts", EXPERTS_SCHEMA, check_experts, _check_experts_values)
+batched_experts = _experts_op("batched_experts", EXPERTS_SCHEMA, check_experts, _check_experts_values)
 
 
 # --------------------------------------------------------------------------- typed Python layer
@@ -410,38 +462,15 @@ def check_experts_list(hidden, top_k_index, top_k_weights, gate_up_proj, gate_up
                        down_act_scale=down_act_scale)
 
 
-@torch.library.custom_op("fp8_moe::grouped_experts_list", mutates_args=(), schema=EXPERTS_LIST_SCHEMA)
-def grouped_experts_list(hidden, top_k_index, top_k_weights, gate_up_proj, gate_up_scale_inv, down_proj,
-                         down_scale_inv, block_size, activation="silu", gate_up_act_scale=None,
-                         down_act_scale=None, swiglu_limit=None):
-    """:func:`grouped_experts` reading each expert's weights where they are (no stacked copy).
-
-    ``down_proj`` / ``down_scale_inv``: E tensors (H, I) and their scale grids;
-    ``gate_up_proj`` / ``gate_up_scale_inv``: E fused (2I, H) tensors, or 2E (I, H):
-    every expert's gate, then every expert's up (Mixtral's w1 list, then w3)."""
-    args = (hidden, top_k_index, top_k_weights, gate_up_proj, gate_up_scale_inv, down_proj, down_scale_inv,
-            block_size, activation, gate_up_act_scale, down_act_scale, swiglu_limit)
-    check_experts_list(*args)
+def _check_experts_list_values(gate_up_scale_inv, down_scale_inv, gate_up_act_scale, down_act_scale) -> None:
     for name, scales in (("gate_up_scale_inv", gate_up_scale_inv), ("down_scale_inv", down_scale_inv)):
         for i, s in enumerate(scales):
             _check_scale_values(f"{name}[{i}]", s)
     _check_scale_values("gate_up_act_scale", gate_up_act_scale)
     _check_scale_values("down_act_scale", down_act_scale)
-    return reference.grouped_experts_list(*args)
 
 
-@grouped_experts_list.register_fake
-def _(hidden, top_k_index, top_k_weights, gate_up_proj, gate_up_scale_inv, down_proj, down_scale_inv,
-      block_size, activation="silu", gate_up_act_scale=None, down_act_scale=None, swiglu_limit=None):
-    check_experts_list(hidden, top_k_index, top_k_weights, gate_up_proj, gate_up_scale_inv, down_proj,
-                       down_scale_inv, block_size, activation, gate_up_act_scale, down_act_scale, swiglu_limit)
-    return torch.empty_like(hidden, memory_format=torch.contiguous_format)
-
-
-@grouped_experts_list.register_kernel("cuda")
-def _(hidden, top_k_index, top_k_weights, gate_up_proj, gate_up_scale_inv, down_proj, down_scale_inv,
-      block_size, activation="silu", gate_up_act_scale=None, down_act_scale=None, swiglu_limit=None):
-    args = (hidden, top_k_index, top_k_weights, gate_up_proj, gate_up_scale_inv, down_proj, down_scale_inv,
-            block_size, activation, gate_up_act_scale, down_act_scale, swiglu_limit)
-    check_experts_list(*args)
-    return _kernels().grouped_experts_list(*args)
+# per-expert lists (768 tensors at deepseek_v3's E = 256): a key of every tensor's
+# metadata would cost as much as the checks, so they run on every call
+grouped_experts_list = _experts_op("grouped_experts_list", EXPERTS_LIST_SCHEMA, check_experts_list,
+                                   _check_experts_list_values, cache_checks=False)
