@@ -30,6 +30,7 @@ class _PerColumn:
 
     def __init__(self, kernel):
         self.kernel = kernel
+        self.arg_names = kernel.arg_names  # read by fp8_moe_ops.kernels.launch.Launch
 
     def __getitem__(self, grid):
         launch = self.kernel[grid]

@@ -33,6 +33,11 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1)."""
+    return 1 << max(0, n - 1).bit_length()
+
+
 def gated_activation(h: torch.Tensor, activation: str, swiglu_limit: float | None = None) -> torch.Tensor:
     """h (M, 2I) gate_up product (gate columns first) -> ``act(gate) * up`` (M, I).
 

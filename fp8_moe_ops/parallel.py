@@ -196,15 +196,10 @@ def _combine(y, top_k_index, top_k_weights, num_experts: int, out_dtype: torch.d
     over (T, H) float32, milliseconds at large T; compiled, Inductor fuses it)."""
     if not y.is_cuda or torch.compiler.is_compiling() or y.shape[0] == 0:
         return combine(y, top_k_index, top_k_weights, num_experts, out_dtype)
-    from .kernels.combine import _combine_kernel, combine_launch_shape
+    from .kernels.combine import combine as combine_kernel
 
-    T, k = top_k_index.shape
-    H = y.shape[1]
-    out = torch.empty((T, H), dtype=out_dtype, device=y.device)
-    grid, kp, block_h = combine_launch_shape(T, H, k)
-    _combine_kernel[grid](y, top_k_index.contiguous(), top_k_weights.contiguous(), out, H, num_experts,
-                          TOPK=k, KP=kp, BLOCK_H=block_h, enable_fp_fusion=False)
-    return out
+    out = torch.empty((top_k_index.shape[0], y.shape[1]), dtype=out_dtype, device=y.device)
+    return combine_kernel(y, top_k_index, top_k_weights, num_experts, out)
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:

@@ -9,9 +9,12 @@ reference rounds the product first).
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
+from ..functional import cdiv, next_power_of_2
+from .launch import launch
 from .quant import round_to
 
 
@@ -48,5 +51,17 @@ def _combine_kernel(
 
 def combine_launch_shape(T: int, H: int, topk: int) -> tuple[tuple[int, int], int, int]:
     """(grid, KP, BLOCK_H)."""
-    block_h = min(1024, triton.next_power_of_2(H))
-    return (T, triton.cdiv(H, block_h)), triton.next_power_of_2(max(topk, 2)), block_h
+    block_h = min(1024, next_power_of_2(H))
+    return (T, cdiv(H, block_h)), next_power_of_2(max(topk, 2)), block_h
+
+
+def combine(y: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, num_experts: int,
+            out: torch.Tensor) -> torch.Tensor:
+    """out (T, H) = the weighted combine of y (T * k, H) (slot order); ids outside
+    [0, num_experts) add nothing."""
+    T, k = top_k_index.shape
+    H = y.shape[1]
+    grid, kp, block_h = combine_launch_shape(T, H, k)
+    launch(_combine_kernel, grid, (y, top_k_index.contiguous(), top_k_weights.contiguous(), out, H, num_experts),
+           dict(TOPK=k, KP=kp, BLOCK_H=block_h), enable_fp_fusion=False)
+    return out

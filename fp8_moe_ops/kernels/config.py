@@ -17,7 +17,7 @@ import functools
 import json
 from importlib import resources
 
-import triton
+from ..functional import cdiv, next_power_of_2
 
 
 @functools.cache
@@ -45,10 +45,10 @@ def gemm_config(S: int, E: int, N: int, K: int) -> dict:
     del cfg["max_rows"]
     min_programs = cfg.pop("min_programs", None)
     # tiny problems (tests, T=1): no tile wider than the problem
-    cfg["BM"] = max(16, min(cfg["BM"], triton.next_power_of_2(max(S, 1))))
-    cfg["BN"] = max(16, min(cfg["BN"], triton.next_power_of_2(N)))
+    cfg["BM"] = max(16, min(cfg["BM"], next_power_of_2(max(S, 1))))
+    cfg["BN"] = max(16, min(cfg["BN"], next_power_of_2(N)))
     if min_programs is not None:
         groups = max(1, min(E, S))  # at most this many experts have rows
-        while cfg["BN"] > 32 and groups * triton.cdiv(N, cfg["BN"]) < min_programs:
+        while cfg["BN"] > 32 and groups * cdiv(N, cfg["BN"]) < min_programs:
             cfg["BN"] //= 2
     return cfg

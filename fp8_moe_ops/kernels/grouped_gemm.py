@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..functional import cdiv
 from .quant import round_to
 
 
@@ -190,5 +191,5 @@ def max_row_tiles(S: int, E: int, BM: int, has_offsets: bool) -> int:
     """Upper bound on row tiles: each non-empty group adds at most one partial tile
     (and the tail group one more), whatever the routing."""
     if not has_offsets:
-        return triton.cdiv(S, BM)
-    return triton.cdiv(S, BM) + min(E, S) + 1
+        return cdiv(S, BM)
+    return cdiv(S, BM) + min(E, S) + 1

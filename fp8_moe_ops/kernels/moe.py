@@ -24,13 +24,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import triton
 
 from .. import routing
+from ..functional import cdiv, next_power_of_2
 from .activation import ACT_IDS, _gated_act_quant_kernel
-from .combine import _combine_kernel, combine_launch_shape
+from .combine import combine
 from .config import block_k, gemm_config
 from .grouped_gemm import WeightTable, _grouped_gemm_kernel, max_row_tiles
+from .launch import launch
 from .quant import _quant_kernel, quant_launch_shape
 from .sort import MAX_SLOTS, _sort_kernel, sort_launch_shape
 
@@ -53,7 +54,7 @@ def _flat(t: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def _ep(E: int) -> int:
-    return max(2, triton.next_power_of_2(E))
+    return max(2, next_power_of_2(E))
 
 
 def _sort_slots(expert_ids: torch.Tensor, E: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,7 +69,7 @@ def _sort_slots(expert_ids: torch.Tensor, E: int) -> tuple[torch.Tensor, torch.T
     if S == 0:  # an empty grid would leave offsets unwritten
         return perm, offsets.zero_()
     grid, block, bins, nb = sort_launch_shape(S, E)
-    _sort_kernel[grid](ids, perm, offsets, S, E, BLOCK=block, NB=bins, NUM_BLOCKS=nb)
+    launch(_sort_kernel, grid, (ids, perm, offsets, S, E), dict(BLOCK=block, NB=bins, NUM_BLOCKS=nb))
     return perm, offsets
 
 
@@ -79,18 +80,17 @@ def _quantize(x: torch.Tensor, bk: int, rows: int, *, perm=None, offsets=None, a
     K = x.shape[1]
     static = act_scale is not None
     q = torch.empty((rows, K), dtype=torch.float8_e4m3fn, device=x.device)
-    s = act_scale if static else torch.empty((rows, triton.cdiv(K, bk)), dtype=torch.float32, device=x.device)
+    s = act_scale if static else torch.empty((rows, cdiv(K, bk)), dtype=torch.float32, device=x.device)
     if rows == 0:
         return q, s
     grid, block_r, block_g = quant_launch_shape(rows, K, bk)
     E = offsets.shape[0] if offsets is not None else 1
-    _quant_kernel[grid](
+    launch(_quant_kernel, grid, (
         x, x.stride(0), x.stride(1), q, s,
         perm if perm is not None else q, offsets if offsets is not None else q, s,
         rows, K, E,
-        TOPK=topk, GROUP=bk, BLOCK_R=block_r, BLOCK_G=block_g, SEARCH_STEPS=E.bit_length(),
-        STATIC=static, GATHER=perm is not None,
-    )
+    ), dict(TOPK=topk, GROUP=bk, BLOCK_R=block_r, BLOCK_G=block_g, SEARCH_STEPS=E.bit_length(),
+            STATIC=static, GATHER=perm is not None))
     return q, s
 
 
@@ -116,7 +116,7 @@ def _gemm(q, q_scale, w, w_scale, block, out, *, offsets=None, perm=None, gather
     cfg = gemm_config(S, E, config_n or N, K)
     BM, BN = cfg["BM"], cfg["BN"]
     num_pid_m = max_row_tiles(S, E, BM, offsets is not None)
-    grid = (num_pid_m * triton.cdiv(N, BN),)
+    grid = (num_pid_m * cdiv(N, BN),)
     table = isinstance(w, WeightTable)
     align = w.align if table else 16
     if table:
@@ -127,19 +127,18 @@ def _gemm(q, q_scale, w, w_scale, block, out, *, offsets=None, perm=None, gather
         ws = w_scale.view(torch.uint8) if e8m0 else w_scale
         ws_strides, one_scale_row = _scale_strides(w_scale), w_scale.shape[1] == 1
     dummy = out
-    _grouped_gemm_kernel[grid](
+    launch(_grouped_gemm_kernel, grid, (
         q, q.stride(0), q_scale, q_scale.stride(0) if not static else 0,
         w, ws, *ws_strides,
         out, out.stride(0),
         perm if perm is not None else dummy, offsets if offsets is not None else dummy,
         S, N, E, num_pid_m,
-        K=K, TOPK=topk, BN_SCALE=bn, BK_SCALE=bk,
-        GATHER_A=gather_a, SCATTER_OUT=scatter_out, STATIC=static,
-        SCALE_E8M0=e8m0, HAS_OFFSETS=offsets is not None,
-        W_SCALE_PER_TILE=bn % BN == 0 or one_scale_row, W_TABLE=table, W_ALIGN=align,
-        BM=BM, BN=BN, BK=block_k(bk), EP=_ep(E), GROUP_M=cfg["GROUP_M"],
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )
+    ), dict(K=K, TOPK=topk, BN_SCALE=bn, BK_SCALE=bk,
+            GATHER_A=gather_a, SCATTER_OUT=scatter_out, STATIC=static,
+            SCALE_E8M0=e8m0, HAS_OFFSETS=offsets is not None,
+            W_SCALE_PER_TILE=bn % BN == 0 or one_scale_row, W_TABLE=table, W_ALIGN=align,
+            BM=BM, BN=BN, BK=block_k(bk), EP=_ep(E), GROUP_M=cfg["GROUP_M"]),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
 
 
@@ -238,25 +237,20 @@ def experts_forward(hidden, top_k_index, top_k_weights, E, I, block, gate_up_gem
     # act(gate) * up, rounded, quantised for the down projection
     static_down = down_act_scale is not None
     a_q = torch.empty((S, I), dtype=torch.float8_e4m3fn, device=dev)
-    a_s = down_act_scale if static_down else torch.empty((S, triton.cdiv(I, bk)), dtype=torch.float32, device=dev)
+    a_s = down_act_scale if static_down else torch.empty((S, cdiv(I, bk)), dtype=torch.float32, device=dev)
     grid, block_r, block_g = quant_launch_shape(S, I, bk)
-    _gated_act_quant_kernel[grid](
+    launch(_gated_act_quant_kernel, grid, (
         h, h.stride(0), a_q, a_s, offsets, a_s, S, I, E,
         float(swiglu_limit) if swiglu_limit is not None else 0.0,
-        ACT=ACT_IDS[activation], HAS_LIMIT=swiglu_limit is not None, STATIC=static_down,
-        GROUP=bk, BLOCK_R=block_r, BLOCK_G=block_g, SEARCH_STEPS=E.bit_length(), enable_fp_fusion=False,
-    )
+    ), dict(ACT=ACT_IDS[activation], HAS_LIMIT=swiglu_limit is not None, STATIC=static_down,
+            GROUP=bk, BLOCK_R=block_r, BLOCK_G=block_g, SEARCH_STEPS=E.bit_length()),
+        enable_fp_fusion=False)
 
     # down: y (S, H) back in slot order; sentinel slots' rows are left unwritten
     y = torch.empty((S, H), dtype=hidden.dtype, device=dev)
     down_gemm(a_q, a_s, y, offsets=offsets, perm=perm, scatter_out=True, static=static_down)
 
-    grid, kp, block_h = combine_launch_shape(T, H, k)
-    _combine_kernel[grid](
-        y, top_k_index.contiguous(), top_k_weights.contiguous(), out, H, E,
-        TOPK=k, KP=kp, BLOCK_H=block_h, enable_fp_fusion=False,
-    )
-    return out
+    return combine(y, top_k_index, top_k_weights, E, out)
 
 
 def batched_experts(hidden, top_k_index, top_k_weights, gate_up_proj, gate_up_scale_inv, down_proj,

@@ -20,6 +20,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..functional import cdiv, next_power_of_2
+
 FP8_MAX = tl.constexpr(448.0)  # torch.finfo(torch.float8_e4m3fn).max
 
 
@@ -144,6 +146,6 @@ def _quant_kernel(
 
 def quant_launch_shape(rows: int, K: int, group: int) -> tuple[tuple[int, int], int, int]:
     """(grid, BLOCK_R, BLOCK_G) for quantising ``rows`` x ``K`` in groups of ``group``."""
-    block_g = triton.next_power_of_2(group)
+    block_g = next_power_of_2(group)
     block_r = max(1, min(16, 4096 // block_g))
-    return (triton.cdiv(rows, block_r), triton.cdiv(K, group)), block_r, block_g
+    return (cdiv(rows, block_r), cdiv(K, group)), block_r, block_g

@@ -20,6 +20,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..functional import cdiv, next_power_of_2
+
 BLOCK = 128
 MAX_SLOTS = 2048  # above this the torch path (radix sort) is cheaper
 # The loop over slot blocks has a constant trip count (masked by S) so one compiled
@@ -66,4 +68,4 @@ def _sort_kernel(ids_ptr, perm_ptr, offsets_ptr, S, E, BLOCK: tl.constexpr, NB: 
 
 def sort_launch_shape(S: int, E: int) -> tuple[tuple[int], int, int, int]:
     """(grid, BLOCK, NB, NUM_BLOCKS) for S slots (S <= MAX_SLOTS)."""
-    return (triton.cdiv(S, BLOCK),), BLOCK, triton.next_power_of_2(E + 1), NUM_BLOCKS
+    return (cdiv(S, BLOCK),), BLOCK, next_power_of_2(E + 1), NUM_BLOCKS
