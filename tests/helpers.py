@@ -57,6 +57,8 @@ def make_routing(T, k, E, kind="uniform", gen=None):
       sentinel: expert-parallel ids outside [0, E) on both sides (-1, E, E + 3), and
                 token 0 with no valid expert at all (its output must be exactly 0).
     With k > E the extra slots are sentinels (remote experts)."""
+    if kind not in ("uniform", "one", "empty", "sentinel"):
+        raise ValueError(f"kind: expected 'uniform', 'one', 'empty' or 'sentinel', got {kind!r}")
     if kind == "one":
         idx = torch.full((T, k), E - 1, dtype=torch.long)
     else:

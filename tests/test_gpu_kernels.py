@@ -185,7 +185,7 @@ def test_batched_mm_matches_cpu(case, static, scale_dtype, dtypes):
 EXPERT_CASES = {  # T, E, H, I, top_k, block, routing (tests/helpers.make_routing kinds)
     "T=1": (1, 8, 256, 128, 2, [128, 128], "uniform"),
     "T<block prime E, H/I not multiples": (37, 13, 400, 200, 4, [128, 128], "uniform"),
-    "expert with no tokens": (130, 6, 256, 256, 2, [128, 128], "skip0"),
+    "expert with no tokens": (130, 6, 256, 256, 2, [128, 128], "empty"),
     "all tokens on one expert": (300, 5, 384, 256, 2, [128, 128], "one"),
     "sentinels": (257, 9, 512, 384, 3, [128, 128], "sentinel"),
     "block 32": (100, 4, 160, 96, 2, [32, 32], "sentinel"),
@@ -240,7 +240,7 @@ def test_cuda_graph_replay_with_new_routing_equals_eager(static):
     with torch.cuda.graph(g):
         out = OPS.grouped_experts(**args)
     gen = torch.Generator().manual_seed(8)
-    for kind in ("uniform", "sentinel", "one", "skip0"):
+    for kind in ("uniform", "sentinel", "one", "empty"):
         idx, wts = make_routing(T, k, E, kind, gen=gen)
         args["top_k_index"].copy_(idx)
         args["top_k_weights"].copy_(wts)
@@ -283,3 +283,22 @@ def test_shipped_configs_agree_with_the_checked_small_config(layer_weights, T, m
     ref = OPS.grouped_experts(x, idx, wts, gu, gus, dp, dps, [128, 128])
     assert not out.isnan().any()
     assert rel_err(out.cpu(), ref.cpu()) < EXPERTS_BOUND
+
+
+# --------------------------------------------------------------------------- cached launches
+
+
+@pytest.mark.parametrize("T", [3, 300])
+def test_cached_launch_follows_alignment(T):
+    # After the first call, launches skip Triton's JIT and reuse the compiled kernel,
+    # but only for arguments that specialise as the first call's did: a hidden state at
+    # an odd address gets a kernel compiled without the 16-byte alignment assumption.
+    args = {key: _cuda(v) for key, v in make_experts_inputs(T, 8, 256, 128, 2, [128, 128], seed=5).items()}
+    first = OPS.grouped_experts(**args)
+    assert torch.equal(OPS.grouped_experts(**args), first)
+    hidden = args["hidden"]
+    buf = torch.empty(hidden.numel() + 1, dtype=hidden.dtype, device="cuda")
+    args["hidden"] = buf[1:].view_as(hidden).copy_(hidden)
+    assert args["hidden"].data_ptr() % 16 != 0
+    assert torch.equal(OPS.grouped_experts(**args), first)
+    assert torch.equal(OPS.grouped_experts(**args), first)

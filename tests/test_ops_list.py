@@ -15,7 +15,7 @@ SHAPES = [
     (1, 4, 64, 32, 2, [16, 16], {}),                               # T = 1
     (9, 7, 40, 48, 3, [16, 16], {}),                               # prime E, H not a multiple of the block
     (7, 5, 72, 40, 2, [32, 16], {}),                               # K (H) and N (2I) not multiples of bn / bk
-    (11, 5, 64, 32, 2, [16, 16], dict(routing="skip0")),           # an expert with no tokens
+    (11, 5, 64, 32, 2, [16, 16], dict(routing="empty")),           # an expert with no tokens
     (8, 5, 64, 32, 2, [16, 16], dict(routing="one")),              # all tokens on one expert
     (10, 5, 64, 32, 3, [16, 16], dict(routing="sentinel")),        # ids outside [0, E)
     (9, 3, 48, 32, 2, [16, 16], dict(per_tensor=True)),            # (1, 1) per-tensor scales
