@@ -4,8 +4,8 @@ Builds a small FP8 MoE model whose experts are eager Python loops (one layer wit
 static activation scales; one layer whose experts are an ``nn.ModuleList`` of
 per-expert ``FP8Linear`` w1/w3/w2, looped over as transformers 4.x Mixtral does),
 compiles each layer with the graph pass and shows what the pass did (which grouped
-op replaced the loop), checks numerics against eager, then exports the whole model to an
-AOTInductor package, reloads it and checks it against ``torch.compile`` of the same
+op replaced the loop), checks numerics against eager, then exports the whole model to
+an AOTInductor package, reloads it and checks it against ``torch.compile`` of the same
 model (and reports its distance from eager).  Runs on the GPU (Triton
 kernels) when there is one, else on the CPU (reference kernels).  Exits non-zero
 if any check fails.  The AOTInductor package is loaded in a child process: if that
@@ -15,8 +15,8 @@ the step is reported as skipped (AOTInductor is broken in that environment), not
 
 from __future__ import annotations
 
-import contextlib
 import collections
+import contextlib
 import logging
 import os
 import re
@@ -92,7 +92,7 @@ def _activation_scheme(layer: nn.Module) -> str:
 
 
 class TinyMoE(nn.Module):
-    def __init__(self, layers: list[MoELayer]):
+    def __init__(self, layers: list[MoELayer | ModuleListMoELayer]):
         super().__init__()
         self.layers = nn.ModuleList(layers)
 
