@@ -1,9 +1,11 @@
 """The demo behind ``python -m fp8_moe_ops demo`` (also ``fp8-moe demo``).
 
 Builds a small FP8 MoE model whose experts are eager Python loops (one layer with
-static activation scales), compiles each layer with the graph pass and shows what
-the pass did, checks numerics against eager, then exports the whole model to an
-AOTInductor package, reloads it and checks it against ``torch.compile`` of the same
+static activation scales; one layer whose experts are an ``nn.ModuleList`` of
+per-expert ``FP8Linear`` w1/w3/w2, looped over as transformers 4.x Mixtral does),
+compiles each layer with the graph pass and shows what the pass did (which grouped
+op replaced the loop), checks numerics against eager, then exports the whole model to
+an AOTInductor package, reloads it and checks it against ``torch.compile`` of the same
 model (and reports its distance from eager).  Runs on the GPU (Triton
 kernels) when there is one, else on the CPU (reference kernels).  Exits non-zero
 if any check fails.  The AOTInductor package is loaded in a child process: if that
@@ -13,9 +15,11 @@ the step is reported as skipped (AOTInductor is broken in that environment), not
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -24,6 +28,7 @@ import time
 import warnings
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import fp8_moe_ops
@@ -43,8 +48,51 @@ class MoELayer(nn.Module):
         return hidden + self.experts(hidden, index, weights)
 
 
+class MixtralExpert(nn.Module):
+    """One expert as transformers 4.x writes it (``MixtralBlockSparseTop2MLP``): w1 (gate),
+    w3 (up), w2 (down), ``nn.Linear`` until ``convert_linears`` makes them ``FP8Linear``."""
+
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.w1, self.w3 = nn.Linear(hidden, inter, bias=False), nn.Linear(hidden, inter, bias=False)
+        self.w2 = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class ModuleListMoELayer(nn.Module):
+    """Router (full precision) + top-k softmax + an ``nn.ModuleList`` of experts run by
+    transformers 4.x Mixtral's Python loop (one-hot mask, bf16 accumulator), with a residual."""
+
+    def __init__(self, experts: list[MixtralExpert], router: nn.Linear, top_k: int):
+        super().__init__()
+        self.router, self.experts, self.top_k = router, nn.ModuleList(experts), top_k
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(self.router(hidden.float()), dim=-1)
+        weights, index = torch.topk(probs, self.top_k, dim=-1)
+        weights = (weights / weights.sum(dim=-1, keepdim=True)).to(hidden.dtype)
+        out = torch.zeros_like(hidden)
+        expert_mask = F.one_hot(index, num_classes=len(self.experts)).permute(2, 1, 0)
+        for e in range(len(self.experts)):
+            pos, tok = torch.where(expert_mask[e])
+            y = self.experts[e](hidden[tok]) * weights[tok, pos, None]
+            out.index_add_(0, tok, y.to(hidden.dtype))
+        return hidden + out
+
+
+def _experts_kind(layer: nn.Module) -> str:
+    return "ModuleList" if isinstance(layer, ModuleListMoELayer) else "FP8Experts"
+
+
+def _activation_scheme(layer: nn.Module) -> str:
+    experts = layer.experts[0].w1 if isinstance(layer, ModuleListMoELayer) else layer.experts
+    return experts.activation_scheme
+
+
 class TinyMoE(nn.Module):
-    def __init__(self, layers: list[MoELayer]):
+    def __init__(self, layers: list[MoELayer | ModuleListMoELayer]):
         super().__init__()
         self.layers = nn.ModuleList(layers)
 
@@ -54,17 +102,29 @@ class TinyMoE(nn.Module):
         return hidden
 
 
-def build_model(num_layers, num_experts, hidden, inter, top_k, static_layers, device, dtype, seed=0):
+def build_model(num_layers, num_experts, hidden, inter, top_k, static_layers, device, dtype, seed=0,
+                modulelist_layers=()):
     gen = torch.Generator().manual_seed(seed)
     layers = []
     for i in range(num_layers):
         gu = torch.randn(num_experts, 2 * inter, hidden, generator=gen) * hidden**-0.5
         dp = torch.randn(num_experts, hidden, inter, generator=gen) * inter**-0.5
-        experts = fp8_moe_ops.FP8Experts.from_float(gu.to(device), dp.to(device), block_size=(128, 128))
         router = nn.Linear(hidden, num_experts, bias=False).to(device)  # routers stay float32
         with torch.no_grad():
             router.weight.copy_(torch.randn(num_experts, hidden, generator=gen) * hidden**-0.5)
-        layer = MoELayer(experts, router, top_k)
+        if i in modulelist_layers:
+            # A model as written, with nn.Linear experts; convert_linears makes them FP8Linear
+            # in place (the router's name is skipped: it stays float32).
+            experts = [MixtralExpert(hidden, inter).to(device) for _ in range(num_experts)]
+            with torch.no_grad():
+                for e, expert in enumerate(experts):
+                    expert.w1.weight.copy_(gu[e, :inter])
+                    expert.w3.weight.copy_(gu[e, inter:])
+                    expert.w2.weight.copy_(dp[e])
+            layer = fp8_moe_ops.convert_linears(ModuleListMoELayer(experts, router, top_k), block_size=(128, 128))
+        else:
+            experts = fp8_moe_ops.FP8Experts.from_float(gu.to(device), dp.to(device), block_size=(128, 128))
+            layer = MoELayer(experts, router, top_k)
         if i in static_layers:
             calib = torch.randn(64, hidden, generator=gen).to(device, dtype)
             fp8_moe_ops.calibrate_static_scales(layer, [calib])
@@ -104,15 +164,61 @@ def _say(msg: str) -> None:
 
 LEGEND = """\
 What the columns say:
-  expert loop  what the graph pass did with the layer's Python loop over experts:
-               rewritten into one fp8_moe::grouped_experts call, or left as it is (why: above)
+  layer        the layer's index in the model
+  experts      how the layer holds its experts: FP8Experts (one stacked (E, ...) tensor per
+               weight) or ModuleList (an nn.ModuleList of experts, each with its own FP8Linear
+               w1 (gate), w3 (up) and w2 (down), run by transformers 4.x Mixtral's loop)
+  scheme       activation scales: dynamic (computed per token) or static (calibrated)
+  expert loop  what the graph pass did with the layer's Python loop over experts, under plain
+               torch.compile (no freezing): replaced it with one call of the fp8_moe op named
+               (grouped_experts on the stacked tensors; grouped_experts_list on each expert's
+               own tensors, read where they are, with no stacked copy), or left it as it is
+               (why: above)
   rel err      |compiled - eager| / |eager| (Frobenius norm) of the layer's output; must be
-               < 2e-2.  A rewritten loop sums in float32 in another order; a loop left as it
-               is still gets its activation, weighting and accumulation fused by Inductor, so
-               it too can move an element by one bf16 step
+               < 2e-2.  A rewritten loop sums in float32 in another order, and where the loop
+               rounds its activation and its sum to bf16 (Mixtral's) the op does not; a loop
+               left as it is still gets its activation, weighting and accumulation fused by
+               Inductor, so it too can move an element by one bf16 step
   eager ms     median wall time of one call of the eager layer (the Python loop)
   compiled ms  the same for the compiled layer
   compile s    time of the first compiled call: tracing, the pass, Inductor's code generation"""
+
+
+# The pass's log line for a rewrite names the op it inserted.
+_REWRITE = re.compile(r"replaced a loop over \d+ experts with fp8_moe::(\w+)")
+_LEFT = "left as it is"
+
+
+def _rewrites(messages: list[str]) -> list[str]:
+    """The ops the pass inserted, in the order of its log lines."""
+    return [m.group(1) for m in map(_REWRITE.search, messages) if m]
+
+
+@contextlib.contextmanager
+def _recording(records: _Records):
+    """The pass's INFO log lines go to ``records`` (and the logger's level is restored)."""
+    pass_log = logging.getLogger("fp8_moe_ops.passes")
+    old_level = pass_log.level
+    pass_log.addHandler(records)
+    pass_log.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        pass_log.removeHandler(records)
+        pass_log.setLevel(old_level)
+
+
+def _check_package_rewrites(rewrites: list[str], left_static: int, expected: list[str]) -> str | None:
+    """Says what the pass did to the package's loops; returns a failure if that is not
+    what it did to the layers one by one (``expected``, one entry per layer)."""
+    done = ", ".join(f"{op} x{n}" for op, n in sorted(collections.Counter(rewrites).items())) or "none"
+    _say(textwrap.fill(f"in the package the pass rewrote {len(rewrites)} loops ({done}), left {left_static} "
+                       "(static)", width=WIDTH, initial_indent="  ", subsequent_indent="    "))
+    want_static = expected.count(_LEFT)
+    if sorted(rewrites) != sorted(e for e in expected if e != _LEFT) or left_static != want_static:
+        return (f"the package's loops: expected {sorted(e for e in expected if e != _LEFT)} rewritten and "
+                f"{want_static} left as it is, got {sorted(rewrites)} and {left_static}")
+    return None
 
 
 def _no_compile_caches():
@@ -136,51 +242,48 @@ def demo(args) -> int:
     _say(f"fp8_moe_ops {fp8_moe_ops.__version__}, torch {torch.__version__}, on {device} ({where})")
     _say(f"model: {args.layers} MoE layers, {args.experts} experts each (hidden {args.hidden}, intermediate "
          f"{args.inter}, top-{args.top_k}), {args.tokens} tokens;")
-    _say(f"       layer {args.static_layer} has static activation scales, the others dynamic"
-         if 0 <= args.static_layer < args.layers else "       all layers have dynamic activation scales")
+    _say(f"       layer {args.static_layer} has static activation scales, the others dynamic;"
+         if 0 <= args.static_layer < args.layers else "       all layers have dynamic activation scales;")
+    _say(f"       layer {args.modulelist_layer}'s experts are an nn.ModuleList (Mixtral's loop), the others "
+         "FP8Experts" if 0 <= args.modulelist_layer < args.layers else "       all layers' experts are FP8Experts")
     model = build_model(args.layers, args.experts, args.hidden, args.inter, args.top_k, {args.static_layer},
-                        device, dtype).eval()
+                        device, dtype, modulelist_layers={args.modulelist_layer}).eval()
+    # what the pass must do with each layer's loop
+    expected = [_LEFT if i == args.static_layer else
+                "grouped_experts_list" if isinstance(layer, ModuleListMoELayer) else "grouped_experts"
+                for i, layer in enumerate(model.layers)]
     x = torch.randn(args.tokens, args.hidden, generator=torch.Generator().manual_seed(1)).to(device, dtype)
     failures = []
     rows, reasons = [], []
     records = _Records()
-    pass_log = logging.getLogger("fp8_moe_ops.passes")
-    old_level = pass_log.level
-    pass_log.addHandler(records)
-    pass_log.setLevel(logging.INFO)
     h = x
-    try:
-        with torch.no_grad(), passes.enabled(), _no_compile_caches():
-            for i, layer in enumerate(model.layers):
-                _say(f"[{i + 1}/{len(model.layers)}] compiling layer {i} with the pass ...")
-                torch._dynamo.reset()  # layers share code: without a reset Dynamo reuses layer 0's graph
-                counters["fp8_moe"].clear()
-                records.messages.clear()
-                compiled = torch.compile(layer, fullgraph=True)
-                eager_out = layer(h)
-                t0 = time.perf_counter()
-                comp_out = compiled(h)
-                compile_s = time.perf_counter() - t0
-                c = counters["fp8_moe"]
-                if c["loops_rewritten"]:
-                    status = "rewritten"
-                elif c["loops_skipped_static"] or c["loops_skipped_unsupported"]:
-                    status = "left as it is"
-                    reasons.append((i, records.messages[-1] if records.messages else "(no log line)"))
-                else:
-                    status = "no loop found"
-                rel = rel_err(comp_out, eager_out)
-                if not (rel < 2e-2 and not torch.isnan(comp_out).any()):
-                    failures.append(f"layer {i}: compiled vs eager relative error {rel:.2e}")
-                expected = "left as it is" if i == args.static_layer else "rewritten"
-                if status != expected:
-                    failures.append(f"layer {i}: expected the loop {expected}, got {status}")
-                scheme = layer.experts.activation_scheme
-                rows.append((i, scheme, status, rel, _time(layer, h), _time(compiled, h), compile_s))
-                h = eager_out
-    finally:
-        pass_log.removeHandler(records)
-        pass_log.setLevel(old_level)
+    with torch.no_grad(), passes.enabled(), _no_compile_caches(), _recording(records):
+        for i, layer in enumerate(model.layers):
+            _say(f"[{i + 1}/{len(model.layers)}] compiling layer {i} with the pass ...")
+            torch._dynamo.reset()  # layers share code: without a reset Dynamo reuses layer 0's graph
+            counters["fp8_moe"].clear()
+            records.messages.clear()
+            compiled = torch.compile(layer, fullgraph=True)
+            eager_out = layer(h)
+            t0 = time.perf_counter()
+            comp_out = compiled(h)
+            compile_s = time.perf_counter() - t0
+            c = counters["fp8_moe"]
+            if c["loops_rewritten"]:
+                status = ", ".join(_rewrites(records.messages)) or "rewritten into an unnamed op"
+            elif c["loops_skipped_static"] or c["loops_skipped_unsupported"]:
+                status = _LEFT
+                reasons.append((i, records.messages[-1] if records.messages else "(no log line)"))
+            else:
+                status = "no loop found"
+            rel = rel_err(comp_out, eager_out)
+            if not (rel < 2e-2 and not torch.isnan(comp_out).any()):
+                failures.append(f"layer {i}: compiled vs eager relative error {rel:.2e}")
+            if status != expected[i]:
+                failures.append(f"layer {i}: expected the loop {expected[i]}, got {status}")
+            rows.append((i, _experts_kind(layer), _activation_scheme(layer), status, rel, _time(layer, h),
+                         _time(compiled, h), compile_s))
+            h = eager_out
     _print_table(rows)
     for i, reason in reasons:
         _say(textwrap.fill(f"layer {i}: {reason}", width=WIDTH, initial_indent="  ", subsequent_indent="    "))
@@ -192,15 +295,21 @@ def demo(args) -> int:
     configs = {"emulate_precision_casts": True}
     skipped = None
     with (torch.no_grad(), tempfile.TemporaryDirectory() as tmp, passes.enabled(), _no_compile_caches(),
-          torch._inductor.config.patch(configs), warnings.catch_warnings()):
+          torch._inductor.config.patch(configs), warnings.catch_warnings(), _recording(records)):
         # torch 2.13's own export code trips its own LeafSpec deprecation warning
         warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
         ep = torch.export.export(model, (x,), dynamic_shapes=({0: torch.export.Dim("tokens", min=1)},))
         t0 = time.perf_counter()
+        records.messages.clear()
+        counters["fp8_moe"].clear()
         path = torch._inductor.aoti_compile_and_package(ep, package_path=os.path.join(tmp, "tiny_moe.pt2"),
                                                         inductor_configs=configs)
-        _say(f"  packaged in {time.perf_counter() - t0:.1f} s; compiling the whole model with torch.compile "
-             "to compare ...")
+        packaged_s = time.perf_counter() - t0
+        failure = _check_package_rewrites(_rewrites(records.messages), counters["fp8_moe"]["loops_skipped_static"],
+                                          expected)
+        if failure:
+            failures.append(failure)
+        _say(f"  packaged in {packaged_s:.1f} s; compiling the whole model with torch.compile to compare ...")
         torch._dynamo.reset()
         whole = torch.compile(model, fullgraph=True, dynamic=True)
         cases = [(x[:t], whole(x[:t]), model(x[:t])) for t in (args.tokens, max(1, args.tokens // 3))]
@@ -288,9 +397,9 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def _print_table(rows) -> None:
-    head = ("layer", "scheme", "expert loop", "rel err", "eager ms", "compiled ms", "compile s")
-    cells = [head] + [(str(i), s, st, f"{e:.1e}", f"{te:.2f}", f"{tc:.2f}", f"{cs:.1f}")
-                      for i, s, st, e, te, tc, cs in rows]
+    head = ("layer", "experts", "scheme", "expert loop", "rel err", "eager ms", "compiled ms", "compile s")
+    cells = [head] + [(str(i), k, s, st, f"{e:.1e}", f"{te:.2f}", f"{tc:.2f}", f"{cs:.1f}")
+                      for i, k, s, st, e, te, tc, cs in rows]
     widths = [max(len(r[c]) for r in cells) for c in range(len(head))]
     for n, r in enumerate(cells):
         _say("  " + "  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip())
@@ -300,8 +409,10 @@ def _print_table(rows) -> None:
 
 DESCRIPTION = """\
 Builds a small FP8 MoE model whose experts run as Python loops over experts (one
-layer with static activation scales), compiles each layer with the fp8_moe graph
-pass, shows what the pass did and checks the result against eager; then exports
+layer with static activation scales, one whose experts are an nn.ModuleList of
+per-expert FP8Linear modules, as in transformers 4.x Mixtral), compiles each layer
+with the fp8_moe graph pass, shows what the pass did (which grouped op replaced each
+loop) and checks the result against eager; then exports
 the whole model to an AOTInductor package, loads it in a fresh process and checks
 it against torch.compile of the same model.  Runs on the GPU (Triton kernels) when
 there is one, else on the CPU (the reference kernels).  Exits non-zero if a check
@@ -318,6 +429,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--tokens", type=int, default=32, help="tokens in the batch (default: %(default)s)")
     parser.add_argument("--static-layer", type=int, default=1,
                         help="index of the layer with static activation scales, -1 for none (default: %(default)s)")
+    parser.add_argument("--modulelist-layer", type=int, default=2,
+                        help="index of the layer whose experts are an nn.ModuleList of FP8Linear w1/w3/w2 modules "
+                             "(Mixtral's loop), -1 for none (default: %(default)s)")
 
 
 def run(args) -> int:

@@ -19,9 +19,13 @@ def test_demo_runs_and_passes_its_checks():
     assert max(len(line) for line in out.splitlines()) <= 100, "the demo's output fits 100 columns"
     assert "Warning" not in proc.stderr, proc.stderr[-3000:]
     rows = [line.split() for line in out.splitlines() if re.match(r"  \d+  ", line)]
-    assert [r[1] for r in rows] == ["dynamic", "static", "dynamic"]
-    assert [" ".join(r[2:-4]) for r in rows] == ["rewritten", "left as it is", "rewritten"]
+    assert [r[1:3] for r in rows] == [["FP8Experts", "dynamic"], ["FP8Experts", "static"], ["ModuleList", "dynamic"]]
+    # each loop became the op of its kind of experts, under plain torch.compile (no freezing)
+    assert [" ".join(r[3:-4]) for r in rows] == ["grouped_experts", "left as it is", "grouped_experts_list"]
     assert all(float(r[-4]) < 2e-2 for r in rows)  # rel err vs eager
+    # The same in the AOTInductor package.
+    assert re.search(r"in\s+the\s+package\s+the\s+pass\s+rewrote\s+2\s+loops\s+\(grouped_experts\s+x1,\s+"
+                     r"grouped_experts_list\s+x1\),\s+left\s+1\s+\(static\)", out)
     assert re.search(r"layer 1: fp8_moe_ops.passes: a loop over 8 experts was left eager because its\s+activation"
                      r"\s+scheme\s+is\s+static", out)
     # The package computes what torch.compile of the same model computes: bitwise on CPU.
@@ -46,6 +50,24 @@ def _fake_runs(monkeypatch, *returncodes):
     monkeypatch.setattr(demo, "_run_package", run)
     monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", lambda ep, package_path: package_path)
     return calls
+
+
+def test_package_rewrites_must_be_the_layers_rewrites(capsys):
+    expected = ["grouped_experts", "left as it is", "grouped_experts_list"]
+    assert demo._check_package_rewrites(["grouped_experts", "grouped_experts_list"], 1, expected) is None
+    # a ModuleList loop left as it is in the package, or rewritten into the stacked op, is a failure
+    assert "expected ['grouped_experts', 'grouped_experts_list'] rewritten" in demo._check_package_rewrites(
+        ["grouped_experts"], 1, expected)
+    assert demo._check_package_rewrites(["grouped_experts", "grouped_experts"], 1, expected) is not None
+    assert demo._check_package_rewrites(["grouped_experts", "grouped_experts_list"], 0, expected) is not None
+    assert "rewrote 2 loops (grouped_experts x1, grouped_experts_list x1), left 1" in capsys.readouterr().out
+
+
+def test_rewrites_are_read_from_the_pass_log_lines():
+    messages = ["fp8_moe_ops.passes: replaced a loop over 8 experts with fp8_moe::grouped_experts_list "
+                "(activation=silu, swiglu_limit=None, more accurate than the loop: fewer roundings)",
+                "fp8_moe_ops.passes: a loop over 8 experts was left eager because its activation scheme is static"]
+    assert demo._rewrites(messages) == ["grouped_experts_list"]
 
 
 def test_package_crash_with_a_crashing_control_is_a_skip(monkeypatch, tmp_path):
@@ -95,4 +117,4 @@ def test_help_is_plain_text():
     proc = subprocess.run([sys.executable, "-m", "fp8_moe_ops", "demo", "--help"], capture_output=True, text=True)
     assert proc.returncode == 0
     assert "``" not in proc.stdout and ":func:" not in proc.stdout  # no reStructuredText markup
-    assert proc.stdout.count("(default:") == 7  # every option says what it does and its default
+    assert proc.stdout.count("(default:") == 8  # every option says what it does and its default

@@ -151,8 +151,9 @@ def test_property_cuda_matches_cpu_reference(case):
 
 
 def test_demo_on_cuda():
-    # The whole demo: the pass on a dynamic and a static loop, then AOTInductor (the demo
-    # itself reports that step as skipped where AOTInductor crashes on any package).
+    # The whole demo: the pass on a dynamic, a static and a ModuleList loop, then
+    # AOTInductor (the demo itself reports that step as skipped where AOTInductor
+    # crashes on any package).
     # Last in the file: minutes on a cold machine, so a time-boxed run still gets the
     # kernel tests above (on 2026-11-30 a 420 s run was cut here, before them).
     proc = subprocess.run([sys.executable, "-m", "fp8_moe_ops", "demo"], capture_output=True, text=True, timeout=900)
