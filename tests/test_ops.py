@@ -225,3 +225,14 @@ def test_compile_fullgraph_each_op(static):
     compiled = torch.compile(f, fullgraph=True)(a)
     for e, c in zip(eager, compiled):
         assert torch.equal(e, c)
+
+
+def test_experts_op_backward_raises_and_no_grad_output():
+    args = make_experts_inputs(3, 4, 32, 16, 2, [16, 16])
+    args["hidden"] = args["hidden"].float().requires_grad_()
+    out = OPS.grouped_experts(**args)  # the forward runs as usual
+    assert out.requires_grad
+    with pytest.raises(RuntimeError, match="fp8_moe::grouped_experts has no autograd formula"):
+        out.sum().backward()
+    with torch.no_grad():
+        assert not OPS.grouped_experts(**args).requires_grad
