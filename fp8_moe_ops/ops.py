@@ -310,10 +310,10 @@ def _experts_op(name: str, schema: str, check, value_check, *, cache_checks: boo
     kernel behind ``check``, a fake, and an autograd kernel that refuses backward.
 
     A ``torch.library.Library`` definition rather than ``custom_op``: ``custom_op``'s
-    generic Python autograd wrapper, redispatch and output-aliasing check cost about
-    14 µs of CPU per call on the H200 machine's host (a no-op op: 22 µs against 8 µs;
-    ``bench/host_overhead.py``), a third of a decode step's budget; the autograd kernel
-    here costs about 3 µs.  On CUDA the metadata checks run once per
+    generic Python autograd wrapper, redispatch and output-aliasing check cost 10-14 µs
+    of CPU per call on the H200 machine's host (a no-op op: 15-22 µs against 5.5-8.5 µs,
+    ``bench/host_parts.py``), a third of a decode step's budget; the autograd kernel
+    here costs about 3 µs (measured on the CPU machine).  On CUDA the metadata checks run once per
     :func:`_meta_key` (``cache_checks``; the value checks run on CPU only)."""
     _LIB.define(name + schema)
     op = getattr(torch.ops.fp8_moe, name).default

@@ -2,9 +2,9 @@
 
 ``kernel[grid](*args, **meta)`` re-derives, on every call, the specialisation of each
 argument (dtype, 16-byte alignment, integer divisibility), a cache key from it and
-the launch options, then looks the compiled kernel up: about 9 µs of CPU per launch
-on the H200 machine's host (14 µs through the JIT, 5 µs straight to the compiled
-kernel's launcher, for the combine kernel; ``bench/host_overhead.py``).  A decode step
+the launch options, then looks the compiled kernel up: 7-9 µs of CPU per launch on
+the H200 machine's host (14 µs through the JIT, 5.5-6.7 µs through :class:`Launch`, for
+the combine kernel; ``bench/host_parts.py``).  A decode step
 is a handful of microsecond-sized kernels, so that work is most of its cost.
 
 :class:`Launch` is one kernel at one grid with fixed compile-time arguments.  Its

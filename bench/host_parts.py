@@ -1,0 +1,89 @@
+"""Where the CPU time of one experts-op call goes: the pieces, timed one by one.
+
+    PYTHONPATH=. python bench/host_parts.py --out-dir OUT
+
+On qwen3_30b_a3b's layer at T=1 (uniform routing, dynamic scales), µs of CPU per call
+(``common.host_us_per_call``: back-to-back calls timed before the final synchronize):
+
+* ``custom_op no-op`` / ``Library no-op``: an op taking seven of the layer's tensors and
+  returning an empty one, defined with ``torch.library.custom_op`` / on a
+  ``torch.library.Library`` with a CUDA kernel: the registration's own cost;
+* ``check_experts``: the experts ops' metadata checks;
+* ``torch.empty``: one (8, 4096) bf16 allocation;
+* ``JIT launch`` / ``cached launch``: one combine kernel launch through
+  ``kernel[grid](...)`` and through ``fp8_moe_ops.kernels.launch.Launch`` (after its
+  first call);
+* ``op``: ``torch.ops.fp8_moe.grouped_experts``, for scale.
+
+Writes ``OUT/host_parts.json`` / ``.md``; exits 1 if any part failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from common import (BLOCK, MODELS, ExperimentConfig, Runner, host_us_per_call, layer_inputs, layer_weights,
+                    markdown_table)
+from fp8_moe_ops import ops
+from fp8_moe_ops.kernels.combine import _combine_kernel, combine_launch_shape
+from fp8_moe_ops.kernels.launch import Launch
+
+
+def parts(model_name: str) -> dict:
+    model = MODELS[model_name]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w = layer_weights(model, gen)
+    x, idx, wts = layer_inputs(model, 1, gen)
+    seven = (x, idx, wts, *w[:4])
+
+    @torch.library.custom_op("host_parts::noop", mutates_args=())
+    def noop(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, d: torch.Tensor, e: torch.Tensor,
+             f: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        return torch.empty(0, device=a.device)
+
+    lib = torch.library.Library("host_parts_lib", "DEF")
+    lib.define("noop(Tensor a, Tensor b, Tensor c, Tensor d, Tensor e, Tensor f, Tensor g) -> Tensor")
+    lib.impl("noop", lambda a, *rest: torch.empty(0, device=a.device), "CUDA")
+
+    T, H, k = 1, model.H, model.top_k
+    y = torch.randn(T * k, H, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(T, H, device="cuda", dtype=torch.bfloat16)
+    ids, weights = idx.contiguous(), wts.contiguous()
+    grid, kp, block_h = combine_launch_shape(T, H, k)
+    constexprs = dict(TOPK=k, KP=kp, BLOCK_H=block_h)
+    args = (y, ids, weights, out, H, model.E)
+    cached = Launch(_combine_kernel, grid, constexprs, enable_fp_fusion=False)
+    return {
+        "custom_op no-op": lambda: torch.ops.host_parts.noop(*seven),
+        "Library no-op": lambda: torch.ops.host_parts_lib.noop(*seven),
+        "check_experts": lambda: ops.check_experts(x, idx, wts, *w, BLOCK, "silu", None, None, None),
+        "torch.empty": lambda: torch.empty((8, 4096), dtype=torch.bfloat16, device="cuda"),
+        "JIT launch": lambda: _combine_kernel[grid](*args, **constexprs, enable_fp_fusion=False),
+        "cached launch": lambda: cached(*args),
+        "op": lambda: torch.ops.fp8_moe.grouped_experts(x, idx, wts, *w, BLOCK),
+    }, lib
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out-dir", required=True)
+    p.add_argument("--calls", type=int, default=500)
+    args = p.parse_args()
+    runner = Runner("host_parts", args.out_dir)
+    model = "qwen3_30b_a3b"
+    fns, lib = parts(model)  # lib: kept alive while its op is timed
+    for name, fn in fns.items():
+        runner.run(ExperimentConfig("host_parts", model, 1, name),
+                   lambda: {"cpu_us": host_us_per_call(fn, args.calls)[0]})
+    rows = [r.flat() for r in runner.results]
+    runner.save(markdown_table(rows, [("part", "variant", ""), ("CPU µs / call", "cpu_us", ".1f"),
+                                      ("error", "error", "")]))
+    del lib
+    return runner.exit_code()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
