@@ -30,7 +30,7 @@ from typing import NamedTuple
 
 import torch
 from torch.fx import Node
-from torch.fx.experimental.symbolic_shapes import statically_known_true
+from torch.fx.experimental.symbolic_shapes import guard_or_false, statically_known_true
 
 import fp8_moe_ops.ops  # noqa: F401  (registers the torch.ops.fp8_moe ops read below)
 
@@ -80,6 +80,15 @@ def same_size(a, b) -> bool:
 
 def _same_shape(a: tuple, b: tuple) -> bool:
     return len(a) == len(b) and all(same_size(x, y) for x, y in zip(a, b))
+
+
+def same_tokens(a: tuple, b: tuple) -> bool:
+    """Whether two per-token shapes (hidden states, ids, routing weights) agree.  Once
+    Dynamo makes the token count dynamic (a second batch size), each input's count is
+    its own symbol and nothing in the graph proves them equal: then they must be equal
+    in this compilation's example, and the equality becomes a guard, so an input where
+    they differ recompiles (the experts op's checks also reject it)."""
+    return len(a) == len(b) and all(guard_or_false(x == y) for x, y in zip(a, b))
 
 
 def _arg(n: Node, i: int, name: str, default=None):
@@ -328,7 +337,7 @@ def _match_iter(rows: Node, value: Node, acc_dtype: torch.dtype) -> Iteration:
     top_k_weights, rw_tok, rw_pos = rw
     if not (is_coord(rw_tok, tok_c) and is_coord(rw_pos, pos_c)):
         raise Skip("the routing weight is not top_k_weights[tok, pos] of this expert's tokens")
-    if not _same_shape(shape_of(top_k_weights), shape_of(top_k_index)) or _dtype(top_k_weights) not in _FLOATS:
+    if not same_tokens(shape_of(top_k_weights), shape_of(top_k_index)) or _dtype(top_k_weights) not in _FLOATS:
         raise Skip("routing weights and top_k_index differ in shape, or the weights are not bf16/fp16/fp32")
 
     a, wd, sd, bs, _, od = _linear_args(down)
@@ -511,7 +520,7 @@ def prove(c: Candidate) -> Loop:
     hs = shape_of(first.hidden)
     if not _same_shape(shape_of(acc), hs) or _val(acc).device != _val(first.hidden).device:
         raise Skip("the accumulator's shape or device is not that of the hidden states")
-    if not same_size(shape_of(first.top_k_index)[0], hs[0]):
+    if not same_tokens(shape_of(first.top_k_index)[:1], hs[:1]):
         raise Skip("top_k_index does not have one row per token")
     if _dtype(first.top_k_index) not in (torch.int32, torch.int64):
         raise Skip("top_k_index is not int32/int64")

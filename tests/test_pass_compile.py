@@ -38,6 +38,23 @@ class TestDynamic(TestCase):
             self.assertTrue(torch.equal(got, want))
 
 
+    def test_automatic_dynamic_token_count(self):
+        # how a served model meets dynamic shapes: compiled with defaults, a second batch
+        # size recompiles with dynamic token counts, each input's count its own symbol
+        for m in (experts(), MixtralLoop()):
+            with self.subTest(model=type(m).__name__), fresh_counters(), torch.no_grad():
+                c = torch.compile(m, fullgraph=True)
+                for T in (6, 11, 3):
+                    args = inputs(T, seed=40 + T)
+                    if isinstance(m, MixtralLoop):  # rewritten into the list op: the stacked op's numbers
+                        want = torch.ops.fp8_moe.grouped_experts(*args, *stacked_from_mixtral(m), BLOCK)
+                    else:  # the same arithmetic as the loop
+                        want = m(*args)
+                    self.assertTrue(torch.equal(c(*args), want))
+                self.assertEqual(counters["stats"]["unique_graphs"], 2)  # T = 6, then any T
+                self.assertEqual(fp8_counters(), {"loops_rewritten": 2})
+
+
 class TestFxGraphCache(TestCase):
     def _compile(self, m, args):
         torch._dynamo.reset()
