@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 import sys
 import time
 import traceback
@@ -191,19 +192,26 @@ def graph_ms(fn: Callable[[], Any], rep_ms: int = 200) -> float:
     return time_ms(capture_graph(fn).replay, rep_ms)
 
 
-def host_us_per_call(fn: Callable[[], Any], calls: int = 100, warmup: int = 20) -> tuple[float, float]:
+def host_us_per_call(fn: Callable[[], Any], calls: int = 100, warmup: int = 20,
+                     repeats: int = 7) -> tuple[float, float]:
     """(CPU µs per call, wall µs per call): ``calls`` back-to-back calls timed before the
-    final synchronize (the CPU's time when the GPU keeps up), and including it."""
+    final synchronize (the CPU's time when the GPU keeps up), and including it; the
+    median of ``repeats`` such runs (the host's timing varies run to run: one run of
+    100 calls alone moved by up to 2x)."""
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    t2 = time.perf_counter()
-    return (t1 - t0) / calls * 1e6, (t2 - t0) / calls * 1e6
+    cpu, wall = [], []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        cpu.append((t1 - t0) / calls * 1e6)
+        wall.append((t2 - t0) / calls * 1e6)
+    return statistics.median(cpu), statistics.median(wall)
 
 
 def kernels_per_call(fn: Callable[[], Any], calls: int = 10) -> tuple[float, list[str]]:

@@ -7,8 +7,11 @@ entry point:
 
 * ``op grouped_experts`` / ``op batched_experts``: ``torch.ops.fp8_moe.*`` (the custom
   op: dispatcher, argument checks, then the Triton entry point);
-* ``kernels.grouped_experts``: the Triton entry point called directly (no op wrapper,
-  no checks): the difference to the op is the wrapper's cost;
+* ``launch plan``: the plan the op replays after its first call of a signature
+  (``fp8_moe_ops.kernels.experts.ExpertsPlan``), called directly: the difference to
+  the op is the op's wrapper (dispatcher, autograd kernel, signature key);
+* ``kernels.grouped_experts``: the Triton forward without a plan (every launch's
+  config, grid, views and cache key built on each call), no op wrapper, no checks;
 * ``FP8Experts.forward``: the module (``dispatch="grouped"``) around the op.
 
 Metrics: ``cpu_us``, the wall time of ``--calls`` back-to-back calls *before* the final
@@ -29,16 +32,19 @@ import torch
 
 from common import (BLOCK, MODELS, ExperimentConfig, Runner, experts_module, graph_ms, host_us_per_call,
                     kernels_per_call, layer_inputs, layer_weights, markdown_table, parse_sweep)
-from fp8_moe_ops.kernels import moe
+from fp8_moe_ops import kernels
 
 CASES = {name: [1, 8, 64] for name in MODELS}
 
 
 def entry_points(experts, w, x, idx, wts) -> dict:
+    args = (x, idx, wts, *w, BLOCK, "silu", None, None, None)
+    _, plan = kernels.experts_plan(*args)
     return {
-        "op grouped_experts": lambda: torch.ops.fp8_moe.grouped_experts(x, idx, wts, *w, BLOCK),
-        "op batched_experts": lambda: torch.ops.fp8_moe.batched_experts(x, idx, wts, *w, BLOCK),
-        "kernels.grouped_experts": lambda: moe.grouped_experts(x, idx, wts, *w, BLOCK),
+        "op grouped_experts": lambda: torch.ops.fp8_moe.grouped_experts(*args),
+        "op batched_experts": lambda: torch.ops.fp8_moe.batched_experts(*args),
+        "launch plan": lambda: plan(*args),
+        "kernels.grouped_experts": lambda: kernels.grouped_experts(*args),
         "FP8Experts.forward": lambda: experts(x, idx, wts),
     }
 

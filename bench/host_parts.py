@@ -13,6 +13,10 @@ On qwen3_30b_a3b's layer at T=1 (uniform routing, dynamic scales), µs of CPU pe
 * ``JIT launch`` / ``cached launch``: one combine kernel launch through
   ``kernel[grid](...)`` and through ``fp8_moe_ops.kernels.launch.Launch`` (after its
   first call);
+* ``compiled launcher``: the same launch through the compiled binary's launcher with
+  the argument list ready (addresses as integers): what a launch plan does per kernel;
+* ``signature key``: the op's key of its arguments' metadata (``ops._meta_key``);
+* ``launch plan``: the op's launch plan for the call, called directly;
 * ``op``: ``torch.ops.fp8_moe.grouped_experts``, for scale.
 
 Writes ``OUT/host_parts.json`` / ``.md``; exits 1 if any part failed.
@@ -27,7 +31,7 @@ import torch
 
 from common import (BLOCK, MODELS, ExperimentConfig, Runner, host_us_per_call, layer_inputs, layer_weights,
                     markdown_table)
-from fp8_moe_ops import ops
+from fp8_moe_ops import kernels, ops
 from fp8_moe_ops.kernels.combine import _combine_kernel, combine_launch_shape
 from fp8_moe_ops.kernels.launch import Launch
 
@@ -56,6 +60,12 @@ def parts(model_name: str) -> dict:
     constexprs = dict(TOPK=k, KP=kp, BLOCK_H=block_h)
     args = (y, ids, weights, out, H, model.E)
     cached = Launch(_combine_kernel, grid, constexprs, enable_fp_fusion=False)
+    cached(*args)  # compiles
+    run, function, metadata, _ = cached.compiled()
+    full = cached.full_args([a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args])
+    stream = torch.cuda.current_stream().cuda_stream
+    op_args = (x, idx, wts, *w, BLOCK, "silu", None, None, None)
+    _, plan = kernels.experts_plan(*op_args)
     return {
         "custom_op no-op": lambda: torch.ops.host_parts.noop(*seven),
         "Library no-op": lambda: torch.ops.host_parts_lib.noop(*seven),
@@ -63,6 +73,9 @@ def parts(model_name: str) -> dict:
         "torch.empty": lambda: torch.empty((8, 4096), dtype=torch.bfloat16, device="cuda"),
         "JIT launch": lambda: _combine_kernel[grid](*args, **constexprs, enable_fp_fusion=False),
         "cached launch": lambda: cached(*args),
+        "compiled launcher": lambda: run(*cached.grid, stream, function, metadata, None, None, None, *full),
+        "signature key": lambda: ops._meta_key(op_args),
+        "launch plan": lambda: plan(*op_args),
         "op": lambda: torch.ops.fp8_moe.grouped_experts(x, idx, wts, *w, BLOCK),
     }, lib
 

@@ -5,7 +5,9 @@
 
 Same kernel, same configs; only the constexpr is forced off for the B side.  Times the
 grouped op alone (32 experts x 2048 rows, N=4096, K=7168) and whole layers at the
-compute-bound token counts, where the rescale competes with the tensor cores.  Writes
+compute-bound token counts, where the rescale competes with the tensor cores (the
+layers through ``fp8_moe_ops.kernels.grouped_experts``, which builds its launches on
+every call: an op call may replay a launch plan recorded before the kernel was swapped).  Writes
 ``OUT/scale_path.json`` / ``.md``; exits 1 if any case failed.
 """
 
@@ -19,6 +21,7 @@ import torch
 import fp8_moe_ops  # noqa: F401  (registers torch.ops.fp8_moe)
 from common import (BLOCK, MODELS, ExperimentConfig, Runner, layer_flops, layer_inputs, layer_weights, make_weights,
                     results_table, time_ms)
+from fp8_moe_ops import kernels
 from fp8_moe_ops.kernels import moe
 
 OPS = torch.ops.fp8_moe
@@ -69,7 +72,7 @@ def main() -> int:
         for T in tokens:
             xt, idx, wts = layer_inputs(model, T, gen)
             runner.run(ExperimentConfig("scale_path", name, T, "per_tile_vs_per_column"),
-                       lambda: ab(lambda: OPS.grouped_experts(xt, idx, wts, *lw, BLOCK), layer_flops(model, T)))
+                       lambda: ab(lambda: kernels.grouped_experts(xt, idx, wts, *lw, BLOCK), layer_flops(model, T)))
         del lw
         torch.cuda.empty_cache()
         runner.save(results_table(runner.results, [("case", "model", ""), ("T", "tokens", ""),

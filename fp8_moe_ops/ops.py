@@ -279,13 +279,14 @@ def _check_experts_values(gate_up_scale_inv, down_scale_inv, gate_up_act_scale, 
 
 
 _LIB = torch.library.Library("fp8_moe", "FRAGMENT")  # the experts ops (kept alive: it owns the registrations)
-_MAX_CHECKED = 4096  # per op; cleared when full (a model has a handful of call signatures)
+_MAX_PLANS = 4096  # per op; cleared when full (a model has a handful of call signatures)
 
 
 def _meta_key(args: tuple) -> tuple:
-    """Everything the metadata checks read from the experts ops' arguments: each
-    tensor's dtype, shape, strides and device, and the other arguments' values."""
-    return tuple((a.dtype, a.shape, a.stride(), a.device) if isinstance(a, torch.Tensor)
+    """Everything the metadata checks and the launch plans read from the experts ops'
+    arguments: each tensor's dtype, shape, strides, device and whether its address is
+    a multiple of 16 bytes, and the other arguments' values."""
+    return tuple((a.dtype, a.shape, a.stride(), a.device, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor)
                  else tuple(a) if isinstance(a, list) else a for a in args)
 
 
@@ -305,7 +306,7 @@ class _NoAutograd(torch.autograd.Function):
                            "torch.no_grad() or torch.inference_mode(), or keep it out of the backward pass")
 
 
-def _experts_op(name: str, schema: str, check, value_check, *, cache_checks: bool = True):
+def _experts_op(name: str, schema: str, check, value_check, *, planned: bool = True):
     """Defines one whole-experts op on :data:`_LIB`: the CPU reference and the CUDA
     kernel behind ``check``, a fake, and an autograd kernel that refuses backward.
 
@@ -313,11 +314,13 @@ def _experts_op(name: str, schema: str, check, value_check, *, cache_checks: boo
     generic Python autograd wrapper, redispatch and output-aliasing check cost 10-14 µs
     of CPU per call on the H200 machine's host (a no-op op: 15-22 µs against 5.5-8.5 µs,
     ``bench/host_parts.py``), a third of a decode step's budget; the autograd kernel
-    here costs about 3 µs (measured on the CPU machine).  On CUDA the metadata checks run once per
-    :func:`_meta_key` (``cache_checks``; the value checks run on CPU only)."""
+    here costs about 3 µs (measured on the CPU machine).  On CUDA (``planned``) the
+    metadata checks run on the first call of each :func:`_meta_key`, which also records
+    its launches as a plan that later calls of the key replay
+    (:mod:`fp8_moe_ops.kernels.experts`); the value checks run on CPU only."""
     _LIB.define(name + schema)
     op = getattr(torch.ops.fp8_moe, name).default
-    checked: set = set()
+    plans: dict = {}  # _meta_key -> the callable running later calls of that key
 
     def autograd_impl(keyset, *args):
         # the dispatcher passes every argument positionally (the schema has no keyword-only ones)
@@ -337,16 +340,19 @@ def _experts_op(name: str, schema: str, check, value_check, *, cache_checks: boo
                   block_size, activation="silu", gate_up_act_scale=None, down_act_scale=None, swiglu_limit=None):
         args = (hidden, top_k_index, top_k_weights, gate_up_proj, gate_up_scale_inv, down_proj, down_scale_inv,
                 block_size, activation, gate_up_act_scale, down_act_scale, swiglu_limit)
-        if not cache_checks:
+        if not planned:
             check(*args)
-        else:
-            key = _meta_key(args)
-            if key not in checked:
-                check(*args)
-                if len(checked) >= _MAX_CHECKED:
-                    checked.clear()
-                checked.add(key)
-        return getattr(_kernels(), name)(*args)
+            return getattr(_kernels(), name)(*args)
+        key = _meta_key(args)
+        run = plans.get(key)
+        if run is not None:
+            return run(*args)
+        check(*args)
+        out, run = _kernels().experts_plan(*args)
+        if len(plans) >= _MAX_PLANS:
+            plans.clear()
+        plans[key] = run
+        return out
 
     def fake(hidden, top_k_index, top_k_weights, gate_up_proj, gate_up_scale_inv, down_proj, down_scale_inv,
              block_size, activation="silu", gate_up_act_scale=None, down_act_scale=None, swiglu_limit=None):
@@ -473,4 +479,4 @@ def _check_experts_list_values(gate_up_scale_inv, down_scale_inv, gate_up_act_sc
 # per-expert lists (768 tensors at deepseek_v3's E = 256): a key of every tensor's
 # metadata would cost as much as the checks, so they run on every call
 grouped_experts_list = _experts_op("grouped_experts_list", EXPERTS_LIST_SCHEMA, check_experts_list,
-                                   _check_experts_list_values, cache_checks=False)
+                                   _check_experts_list_values, planned=False)

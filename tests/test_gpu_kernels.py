@@ -13,6 +13,8 @@ comes from a seeded generator, so a failure reproduces.  What is checked:
   NaN before each call, so an unwritten element reads back as NaN; rows of sentinel
   slots only (and grouped_mm rows past ``offsets[-1]``) must be exactly zero;
 * grouped == batched experts bitwise, and run to run;
+* a launch plan (recorded by an op's first call of an argument signature, replayed by
+  later calls) equals the forward itself bitwise on new inputs of that signature;
 * ``grouped_experts`` captured in a CUDA graph and replayed with new routing equals an
   eager call on that routing, bitwise (no host sync, routing-independent grid);
 * every launch config of the shipped table, at the benchmark layers' shapes, agrees
@@ -25,7 +27,9 @@ import pytest
 import torch
 
 from fp8_moe_ops import reference
+from fp8_moe_ops import kernels
 from fp8_moe_ops.kernels import moe
+from fp8_moe_ops.kernels.experts import ARG_NAMES, ExpertsPlan
 
 from helpers import MODELS, make_expert_weights, make_experts_inputs, make_routing, rel_err
 
@@ -280,7 +284,8 @@ def test_shipped_configs_agree_with_the_checked_small_config(layer_weights, T, m
     _poison()
     out = OPS.grouped_experts(x, idx, wts, gu, gus, dp, dps, [128, 128])
     monkeypatch.setattr(moe, "gemm_config", lambda *a: dict(SMALL_CONFIG))
-    ref = OPS.grouped_experts(x, idx, wts, gu, gus, dp, dps, [128, 128])
+    # the forward itself, not the op: a second op call would replay the first one's launch plan
+    ref = kernels.grouped_experts(x, idx, wts, gu, gus, dp, dps, [128, 128])
     assert not out.isnan().any()
     assert rel_err(out.cpu(), ref.cpu()) < EXPERTS_BOUND
 
@@ -302,3 +307,32 @@ def test_cached_launch_follows_alignment(T):
     assert args["hidden"].data_ptr() % 16 != 0
     assert torch.equal(OPS.grouped_experts(**args), first)
     assert torch.equal(OPS.grouped_experts(**args), first)
+
+
+# --------------------------------------------------------------------------- launch plans
+
+
+@pytest.mark.parametrize("combo", ["bf16 dynamic silu", "bf16 e8m0 static per-tensor gelu_tanh limit",
+                                   "fp32 static relu"])
+@pytest.mark.parametrize("case", ["T=1", "T<block prime E, H/I not multiples", "expert with no tokens", "sentinels"])
+def test_launch_plan_replays_new_inputs_bitwise(case, combo):
+    # the op's second call of a signature replays the plan its first call recorded
+    T, E, H, I, k, block, routing = EXPERT_CASES[case]
+    dtype, scale_dtype, static, per_tensor, activation, limit = EXPERT_COMBOS[combo]
+
+    def inputs(seed):
+        args = make_experts_inputs(T, E, H, I, k, block, dtype, scale_dtype, static, routing, per_tensor, seed=seed)
+        args.update(activation=activation, swiglu_limit=limit)
+        return {key: _cuda(v) for key, v in args.items()}
+
+    first, second = inputs(1), inputs(2)
+    out, plan = kernels.experts_plan(*(first.get(name) for name in ARG_NAMES))
+    assert isinstance(plan, ExpertsPlan) and plan._device is not None  # the launchers, called directly
+    assert torch.equal(out, kernels.grouped_experts(**first))
+    OPS.grouped_experts(**first)  # records the op's plan for the signature
+    _poison()
+    got = OPS.grouped_experts(**second)
+    want = kernels.grouped_experts(**second)
+    assert not torch.equal(want, out)
+    assert torch.equal(got, want)
+    assert torch.equal(plan(*(second.get(name) for name in ARG_NAMES)), want)

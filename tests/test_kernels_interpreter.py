@@ -320,6 +320,49 @@ def test_experts_empty_tokens():
     assert out.shape == (0, args[0].shape[1])
 
 
+def _arg_names():
+    from fp8_moe_ops.kernels.experts import ARG_NAMES
+
+    return ARG_NAMES
+
+
+def _positional(args, kw):
+    """The experts ops' twelve arguments in schema order."""
+    given = {**dict(zip(_arg_names(), args)), **kw}
+    return tuple(given.get(name, "silu" if name == "activation" else None) for name in _arg_names())
+
+
+@pytest.mark.parametrize("case,static,scale_dtype", [
+    ("T1", False, torch.float32),
+    ("sentinels", True, torch.float32),
+    ("empty_expert", False, E8M0),
+    ("T_lt_block_prime_E", True, E8M0),
+])
+def test_plan_replays_the_forward_bitwise(case, static, scale_dtype):
+    # a plan recorded on one call replays another call of the same signature (other
+    # values, routing and tensors) exactly as the forward itself computes it
+    from fp8_moe_ops.kernels.experts import ExpertsPlan
+
+    first = _positional(*_experts_args(case, torch.bfloat16, scale_dtype, static, seed=11))
+    out, plan = kernels.experts_plan(*first)
+    assert isinstance(plan, ExpertsPlan)
+    assert torch.equal(out, kernels.grouped_experts(*first))
+    second = _positional(*_experts_args(case, torch.bfloat16, scale_dtype, static, seed=12))
+    assert not torch.equal(second[1], first[1])
+    want = kernels.grouped_experts(*second)
+    assert not torch.equal(want, out)
+    assert torch.equal(plan(*second), want)
+
+
+def test_no_plan_where_a_kernel_reads_a_copy_of_an_argument():
+    # a transposed top_k_index is copied per call: the plan would read the first call's copy
+    args, kw = _experts_args("sentinels", torch.bfloat16, torch.float32, static=False)
+    args[1] = args[1].t().contiguous().t()
+    out, run = kernels.experts_plan(*_positional(args, kw))
+    assert run is kernels.grouped_experts
+    assert torch.equal(out, kernels.grouped_experts(*args, **kw))
+
+
 def test_sort_slots_layout():
     # perm: sorted position -> slot, stable; offsets: inclusive cumsum, sentinels excluded
     idx = torch.tensor([[2, -1], [0, 2], [5, 0]])
@@ -444,3 +487,15 @@ def test_launch_cache_keys_on_argument_specialisation():
     assert torch.equal(kernels.grouped_experts(*args), out)
     added = [key for key in launch._LAUNCHES if key not in first]
     assert [key[0] for key in added] == [_quant_kernel]
+
+
+@pytest.mark.parametrize("shared,other", [("down_act_scale", "gate_up_act_scale"),
+                                          ("down_scale_inv", "gate_up_scale_inv")])
+def test_plan_recorded_from_one_tensor_passed_twice(shared, other):
+    # one tensor for both projections' act scales, or per-tensor weight scales, when
+    # recorded; two tensors later: each argument is read from its own tensor
+    args, kw = _experts_args("T1", torch.bfloat16, torch.float32, static=True, per_tensor=True)
+    given = dict(zip(_arg_names(), _positional(args, kw)))
+    _, run = kernels.experts_plan(*{**given, shared: given[other]}.values())
+    assert not torch.equal(given[shared], given[other])
+    assert torch.equal(run(*given.values()), kernels.grouped_experts(*given.values()))

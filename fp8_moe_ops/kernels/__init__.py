@@ -3,11 +3,14 @@
 Modules: :mod:`.quant` (activation quantisation), :mod:`.grouped_gemm` (block-scaled
 grouped GEMM with a device-side tile map), :mod:`.activation` (gated activation fused
 with the down projection's quantisation), :mod:`.combine` (deterministic combine),
-:mod:`.config` (checked-in launch configs), :mod:`.moe` (the op entry points),
-:mod:`.moe_list` (the entry point on per-expert weight lists).
+:mod:`.config` (checked-in launch configs), :mod:`.launch` (cached launches), :mod:`.moe`
+(the GEMM ops' entry points), :mod:`.experts` (the whole-experts forward and its launch
+plans), :mod:`.moe_list` (the entry point on per-expert weight lists).
 """
 
-from .moe import batched_experts, batched_mm, grouped_experts, grouped_mm, linear
+from .experts import batched_experts, experts_plan, grouped_experts
+from .moe import batched_mm, grouped_mm, linear
 from .moe_list import grouped_experts_list
 
-__all__ = ["linear", "grouped_mm", "batched_mm", "grouped_experts", "batched_experts", "grouped_experts_list"]
+__all__ = ["linear", "grouped_mm", "batched_mm", "grouped_experts", "batched_experts", "grouped_experts_list",
+           "experts_plan"]

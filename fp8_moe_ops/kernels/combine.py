@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from ..functional import cdiv, next_power_of_2
-from .launch import launch
+from .launch import KernelCall, launch
 from .quant import round_to
 
 
@@ -55,13 +55,19 @@ def combine_launch_shape(T: int, H: int, topk: int) -> tuple[tuple[int, int], in
     return (T, cdiv(H, block_h)), next_power_of_2(max(topk, 2)), block_h
 
 
+def combine_call(y: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, num_experts: int,
+                 out: torch.Tensor) -> KernelCall:
+    """The launch of :func:`combine` (``top_k_index`` / ``top_k_weights`` contiguous)."""
+    T, k = top_k_index.shape
+    H = y.shape[1]
+    grid, kp, block_h = combine_launch_shape(T, H, k)
+    return KernelCall(_combine_kernel, grid, (y, top_k_index, top_k_weights, out, H, num_experts),
+                      dict(TOPK=k, KP=kp, BLOCK_H=block_h), dict(enable_fp_fusion=False))
+
+
 def combine(y: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, num_experts: int,
             out: torch.Tensor) -> torch.Tensor:
     """out (T, H) = the weighted combine of y (T * k, H) (slot order); ids outside
     [0, num_experts) add nothing."""
-    T, k = top_k_index.shape
-    H = y.shape[1]
-    grid, kp, block_h = combine_launch_shape(T, H, k)
-    launch(_combine_kernel, grid, (y, top_k_index.contiguous(), top_k_weights.contiguous(), out, H, num_experts),
-           dict(TOPK=k, KP=kp, BLOCK_H=block_h), enable_fp_fusion=False)
+    launch(combine_call(y, top_k_index.contiguous(), top_k_weights.contiguous(), num_experts, out))
     return out

@@ -22,6 +22,7 @@ interpreter.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 from triton.compiler.compiler import CompiledKernel
@@ -42,22 +43,44 @@ class Launch:
         self._constexpr_at = [(i, constexprs[n]) for i, n in enumerate(kernel.arg_names) if n in constexprs]
         self._run = None
 
+    def full_args(self, args) -> list:
+        """``args`` with the compile-time values inserted: the launcher's argument list."""
+        full = list(args)
+        for i, value in self._constexpr_at:
+            full.insert(i, value)
+        return full
+
+    def compiled(self) -> tuple | None:
+        """After a first call on a GPU, ``(run, function, metadata, device)``: the
+        compiled binary's launcher, called as ``run(*grid, stream, function, metadata,
+        None, None, None, *full_args)`` on ``device``; else None (interpreter)."""
+        if self._run is None:
+            return None
+        return self._run, self._function, self._metadata, self._device
+
     def __call__(self, *args) -> None:
         if self._run is not None:
             device = driver.active.get_current_device()
             if device == self._device:
-                full = list(args)
-                for i, value in self._constexpr_at:
-                    full.insert(i, value)
                 g = self.grid
                 self._run(g[0], g[1], g[2], driver.active.get_current_stream(device), self._function,
-                          self._metadata, None, None, None, *full)
+                          self._metadata, None, None, None, *self.full_args(args))
                 return
         compiled = self.kernel[self.grid](*args, **self.meta)
         if self._run is None and isinstance(compiled, CompiledKernel):
             self._device = driver.active.get_current_device()
             self._function, self._metadata = compiled.function, compiled.packed_metadata
             self._run = compiled.run
+
+
+class KernelCall(NamedTuple):
+    """One launch, as data: ``kernel[grid](*args, **constexprs, **options)``."""
+
+    kernel: object
+    grid: tuple
+    args: tuple
+    constexprs: dict
+    options: dict
 
 
 _LAUNCHES: dict[tuple, Launch] = {}
@@ -71,14 +94,20 @@ def _spec(arg):
     return arg
 
 
-def launch(kernel, grid: tuple, args: tuple, constexprs: dict, **options) -> None:
-    """``kernel[grid](*args, **constexprs, **options)`` through a cached :class:`Launch`
-    keyed on the kernel, grid, compile-time values, options and every run-time
-    argument's specialisation (a tensor's dtype and 16-byte alignment, a scalar's value)."""
-    key = (kernel, grid, *constexprs.items(), *options.items(), *map(_spec, args))
+def cached(call: KernelCall) -> Launch:
+    """The cached :class:`Launch` for ``call``, keyed on the kernel, grid, compile-time
+    values, options and every run-time argument's specialisation (a tensor's dtype and
+    16-byte alignment, a scalar's value)."""
+    key = (call.kernel, call.grid, *call.constexprs.items(), *call.options.items(), *map(_spec, call.args))
     entry = _LAUNCHES.get(key)
     if entry is None:
         if len(_LAUNCHES) >= _MAX_LAUNCHES:
             _LAUNCHES.clear()
-        entry = _LAUNCHES[key] = Launch(kernel, grid, constexprs, **options)
-    entry(*args)
+        entry = _LAUNCHES[key] = Launch(call.kernel, call.grid, call.constexprs, **call.options)
+    return entry
+
+
+def launch(call: KernelCall | None) -> None:
+    """Runs ``call`` through its cached :class:`Launch` (``None``: nothing to launch)."""
+    if call is not None:
+        cached(call)(*call.args)

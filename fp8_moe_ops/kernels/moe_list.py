@@ -31,7 +31,8 @@ from __future__ import annotations
 import torch
 
 from .grouped_gemm import WeightTable
-from .moe import _block, _gemm, experts_forward
+from .experts import experts_forward
+from .moe import _block
 
 __all__ = ["grouped_experts_list"]
 
@@ -90,19 +91,10 @@ def grouped_experts_list(hidden, top_k_index, top_k_weights, gate_up_proj, gate_
     table, aligned = address_table((gate_up_proj, gate_up_scale_inv, down_proj, down_scale_inv), hidden.device)
     down = _weights(table, aligned, 2 * G, E, down_proj[0], down_scale_inv[0], 2 * G + E)
     if G == E:
-        gate_up = _weights(table, aligned, 0, E, gate_up_proj[0], gate_up_scale_inv[0], G)
-
-        def gate_up_gemm(q, qs, h, **launch):
-            _gemm(q, qs, gate_up, None, block, h, **launch)
+        gate_up = [(_weights(table, aligned, 0, E, gate_up_proj[0], gate_up_scale_inv[0], G), None, None, None)]
     else:
         gate = _weights(table, aligned, 0, E, gate_up_proj[0], gate_up_scale_inv[0], G)
         up = _weights(table, aligned, E, E, gate_up_proj[0], gate_up_scale_inv[0], G + E)
-
-        def gate_up_gemm(q, qs, h, **launch):
-            _gemm(q, qs, gate, None, block, h[:, :I], config_n=2 * I, **launch)
-            _gemm(q, qs, up, None, block, h[:, I:], config_n=2 * I, **launch)
-
-    return experts_forward(
-        hidden, top_k_index, top_k_weights, E, I, block, gate_up_gemm,
-        lambda a, a_s, y, **launch: _gemm(a, a_s, down, None, block, y, **launch),
-        activation, gate_up_act_scale, down_act_scale, swiglu_limit)
+        gate_up = [(gate, None, slice(None, I), 2 * I), (up, None, slice(I, None), 2 * I)]
+    return experts_forward(hidden, top_k_index, top_k_weights, E, I, block, {}, gate_up, (down, None), activation,
+                           gate_up_act_scale, down_act_scale, swiglu_limit)[0]

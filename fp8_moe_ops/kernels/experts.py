@@ -1,0 +1,291 @@
+"""The whole-experts forward on the GPU (``grouped_experts``, ``batched_experts``, and
+``grouped_experts_list`` through :mod:`.moe_list`) and the launch plan that replays it.
+
+Layout of the forward (S = T * k slots, slot ``t*k + j`` is token t's j-th choice):
+
+1. ``perm`` (S,) sorted position -> slot, ``offsets`` (E,): :mod:`.sort` (one launch)
+   for S <= 2048, else :mod:`fp8_moe_ops.routing` (torch.sort);
+2. activations quantised once: dynamic, (T, H) per token before any gather (scales
+   do not depend on the expert); static, the sorted rows with their expert's scale;
+3. gate_up GEMM, A rows gathered by ``perm // k`` -> h (S, 2I) in sorted order;
+4. gated activation + quantisation -> (S, I) fp8;
+5. down GEMM, output rows scattered by ``perm`` -> y (S, H) in slot order;
+6. combine: per token, in ascending expert id, float32 -> (T, H).
+
+Sentinel slots (ids outside [0, E)) are sorted last, never computed, and skipped by
+the combine.  ``batched_experts`` sorts internally and shares this path, so grouped
+and batched agree bitwise.  The intermediate buffers (perm, offsets, the quantised
+activations and their scales, h, y) are views of one workspace allocation
+(:func:`_layout`).
+
+**Launch plans.**  At decode the six kernels take microseconds each on the GPU, so the
+CPU's work per call decides a step's time.  The first call of an argument signature
+runs the forward as above and records it as an :class:`ExpertsPlan`: per kernel, the
+compiled binary's launcher and its full argument list, each tensor argument replaced by
+its source (one of the op's tensors, the output, or a workspace buffer).  A later call
+with the same signature (``fp8_moe_ops.ops`` keys plans on every tensor's dtype, shape,
+strides, device and 16-byte alignment and every other argument's value) allocates the
+output and one workspace and hands each launcher its list with the sources' addresses
+filled in: no launch config, grid, view or cache key is computed again.  A signature
+gets no plan (and runs the forward above on every call) when a kernel would read a
+per-call copy of an argument (a non-contiguous ``top_k_index``, say) or S > 2048 (the
+torch sort allocates, and the GPU's time dwarfs the CPU's).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+from triton.runtime import driver
+
+from .. import routing
+from ..functional import cdiv
+from .activation import ACT_IDS, _gated_act_quant_kernel
+from .combine import combine_call
+from .launch import KernelCall, cached, launch
+from .moe import _block, _flat, _gemm_call, _quant_call, _sort_call
+from .quant import quant_launch_shape
+from .sort import MAX_SLOTS
+
+__all__ = ["grouped_experts", "batched_experts", "experts_forward", "experts_plan", "ExpertsPlan"]
+
+_ALIGN = 256  # bytes from one workspace buffer to the next (the kernels need 16)
+
+# the experts ops' arguments, in schema order, and the positions of the tensors among them
+ARG_NAMES = ("hidden", "top_k_index", "top_k_weights", "gate_up_proj", "gate_up_scale_inv", "down_proj",
+             "down_scale_inv", "block_size", "activation", "gate_up_act_scale", "down_act_scale", "swiglu_limit")
+_TENSOR_ARGS = (0, 1, 2, 3, 4, 5, 6, 9, 10)
+
+
+class Layout(NamedTuple):
+    """The workspace: its buffers as (name, dtype, shape, byte offset), and its size."""
+
+    buffers: list
+    nbytes: int
+
+    def views(self, ws: torch.Tensor) -> list[torch.Tensor]:
+        """The buffers as typed views of ``ws`` (``nbytes`` uint8), in order."""
+        return [ws[off:off + math.prod(shape) * dt.itemsize].view(dt).view(shape) for _, dt, shape, off in self.buffers]
+
+
+def _layout(T: int, k: int, E: int, H: int, I: int, bk: int, dtype: torch.dtype, static_gate_up: bool,
+            static_down: bool) -> Layout:
+    """The forward's intermediate buffers; ``perm`` / ``offsets`` only where the
+    one-launch sort runs (S <= 2048)."""
+    S = T * k
+    bufs = [("perm", torch.int32, (S,)), ("offsets", torch.int32, (E,))] if S <= MAX_SLOTS else []
+    bufs.append(("q", torch.float8_e4m3fn, (S if static_gate_up else T, H)))
+    if not static_gate_up:
+        bufs.append(("q_scale", torch.float32, (T, cdiv(H, bk))))
+    bufs += [("h", dtype, (S, 2 * I)), ("a_q", torch.float8_e4m3fn, (S, I))]
+    if not static_down:
+        bufs.append(("a_scale", torch.float32, (S, cdiv(I, bk))))
+    bufs.append(("y", dtype, (S, H)))
+    buffers, offset = [], 0
+    for name, dt, shape in bufs:
+        buffers.append((name, dt, shape, offset))
+        offset += cdiv(math.prod(shape) * dt.itemsize, _ALIGN) * _ALIGN
+    return Layout(buffers, offset)
+
+
+def _calls(env: dict, E: int, I: int, block: tuple[int, int], activation: str, swiglu_limit, gate_up: list,
+           down: tuple) -> list[KernelCall]:
+    """The forward's launches over the tensors of ``env`` (the op's routing tensors and
+    act scales, ``out``, and the buffers of :func:`_layout`).  ``gate_up``: one or two
+    (w, w_scale, columns of h or None, config_n) GEMMs; ``down``: (w, w_scale)."""
+    bk = block[1]
+    hidden, ids = env["hidden"], env["top_k_index"]
+    T = hidden.shape[0]
+    k = ids.shape[1]
+    S = T * k
+    perm, offsets, h, y = env["perm"], env["offsets"], env["h"], env["y"]
+    gate_up_act_scale, down_act_scale = env["gate_up_act_scale"], env["down_act_scale"]
+    calls = [_sort_call(ids, perm, offsets, E)] if S <= MAX_SLOTS else []
+
+    # gate_up: h (S, 2I) in sorted order
+    q = env["q"]
+    if gate_up_act_scale is None:
+        q_scale = env["q_scale"]
+        calls.append(_quant_call(hidden, q, q_scale, T, bk))
+        gemm = dict(offsets=offsets, perm=perm, gather_a=True, topk=k)
+    else:
+        q_scale = gate_up_act_scale
+        calls.append(_quant_call(hidden, q, q_scale, S, bk, perm=perm, offsets=offsets, static=True, topk=k))
+        gemm = dict(offsets=offsets, static=True)
+    for w, w_scale, cols, config_n in gate_up:
+        calls.append(_gemm_call(q, q_scale, w, w_scale, block, h if cols is None else h[:, cols],
+                                config_n=config_n, **gemm))
+
+    # act(gate) * up, rounded, quantised for the down projection
+    a_q = env["a_q"]
+    a_s = env["a_scale"] if down_act_scale is None else down_act_scale
+    grid, block_r, block_g = quant_launch_shape(S, I, bk)
+    calls.append(KernelCall(_gated_act_quant_kernel, grid, (
+        h, h.stride(0), a_q, a_s, offsets, a_s, S, I, E,
+        float(swiglu_limit) if swiglu_limit is not None else 0.0,
+    ), dict(ACT=ACT_IDS[activation], HAS_LIMIT=swiglu_limit is not None, STATIC=down_act_scale is not None,
+            GROUP=bk, BLOCK_R=block_r, BLOCK_G=block_g, SEARCH_STEPS=E.bit_length()),
+        dict(enable_fp_fusion=False)))
+
+    # down: y (S, H) back in slot order; sentinel slots' rows are left unwritten
+    calls.append(_gemm_call(a_q, a_s, *down, block, y, offsets=offsets, perm=perm, scatter_out=True,
+                            static=down_act_scale is not None))
+    calls.append(combine_call(y, ids, env["top_k_weights"], E, env["out"]))
+    return [c for c in calls if c is not None]
+
+
+def experts_forward(hidden, top_k_index, top_k_weights, E: int, I: int, block: tuple[int, int], weights: dict,
+                    gate_up: list, down: tuple, activation: str, gate_up_act_scale, down_act_scale,
+                    swiglu_limit) -> tuple[torch.Tensor, dict, Layout, list[KernelCall]]:
+    """Runs the forward whatever holds the weights: ``weights`` (name -> tensor) are the
+    tensors the GEMMs read, ``gate_up`` / ``down`` the GEMMs as in :func:`_calls`.
+    Returns (out, the tensors by name, the workspace layout, the launches): what a plan
+    is recorded from."""
+    T, H = hidden.shape
+    out = torch.empty_like(hidden, memory_format=torch.contiguous_format)
+    if T == 0:
+        return out, {}, Layout([], 0), []
+    k = top_k_index.shape[1]
+    layout = _layout(T, k, E, H, I, block[1], hidden.dtype, gate_up_act_scale is not None,
+                     down_act_scale is not None)
+    env = dict(hidden=hidden, top_k_index=top_k_index.contiguous(), top_k_weights=top_k_weights.contiguous(),
+               gate_up_act_scale=_flat(gate_up_act_scale), down_act_scale=_flat(down_act_scale), out=out,
+               **weights)
+    ws = torch.empty(layout.nbytes, dtype=torch.uint8, device=hidden.device)
+    env.update(zip((name for name, *_ in layout.buffers), layout.views(ws)))
+    if T * k > MAX_SLOTS:
+        env["perm"], env["offsets"] = routing.sort_slots(top_k_index, E)
+    calls = _calls(env, E, I, block, activation, swiglu_limit, gate_up, down)
+    for call in calls:
+        launch(call)
+    return out, env, layout, calls
+
+
+def _scale_bytes(s: torch.Tensor) -> torch.Tensor:
+    # UE8M0 grids reach the GEMM as their bytes (the kernel expands them)
+    return s.view(torch.uint8) if s.dtype == torch.float8_e8m0fnu else s
+
+
+def _stacked(args: tuple) -> tuple:
+    hidden, top_k_index, top_k_weights, gate_up_proj, gate_up_scale_inv, down_proj, down_scale_inv = args[:7]
+    block_size, activation, gate_up_act_scale, down_act_scale, swiglu_limit = args[7:]
+    E, two_i, _ = gate_up_proj.shape
+    weights = dict(gate_up_proj=gate_up_proj, gate_up_scale_inv=_scale_bytes(gate_up_scale_inv), down_proj=down_proj,
+                   down_scale_inv=_scale_bytes(down_scale_inv))
+    return experts_forward(
+        hidden, top_k_index, top_k_weights, E, two_i // 2, _block(block_size), weights,
+        [(weights["gate_up_proj"], weights["gate_up_scale_inv"], None, None)],
+        (weights["down_proj"], weights["down_scale_inv"]), activation, gate_up_act_scale, down_act_scale,
+        swiglu_limit)
+
+
+def grouped_experts(hidden, top_k_index, top_k_weights, gate_up_proj, gate_up_scale_inv, down_proj,
+                    down_scale_inv, block_size, activation="silu", gate_up_act_scale=None,
+                    down_act_scale=None, swiglu_limit=None):
+    """Whole expert forward: hidden (T, H), top_k_index / top_k_weights (T, k) -> (T, H)."""
+    return _stacked((hidden, top_k_index, top_k_weights, gate_up_proj, gate_up_scale_inv, down_proj,
+                     down_scale_inv, block_size, activation, gate_up_act_scale, down_act_scale, swiglu_limit))[0]
+
+
+def batched_experts(hidden, top_k_index, top_k_weights, gate_up_proj, gate_up_scale_inv, down_proj,
+                    down_scale_inv, block_size, activation="silu", gate_up_act_scale=None,
+                    down_act_scale=None, swiglu_limit=None):
+    """Same contract as :func:`grouped_experts`; the slots are sorted internally, so
+    the two agree bitwise."""
+    return grouped_experts(hidden, top_k_index, top_k_weights, gate_up_proj, gate_up_scale_inv, down_proj,
+                           down_scale_inv, block_size, activation, gate_up_act_scale, down_act_scale,
+                           swiglu_limit)
+
+
+class _Source(int):
+    """A tensor argument's place in a recorded call: an index into the sources
+    (the op's tensors in :data:`_TENSOR_ARGS` order, the output, the workspace buffers)."""
+
+
+class ExpertsPlan:
+    """The recorded launches of one argument signature of the stacked experts ops.
+
+    ``plan(*args)`` equals ``grouped_experts(*args)`` for any ``args`` of the signature it
+    was recorded from: on a GPU each launcher is called directly; under the Triton
+    interpreter the recorded calls are replayed through the JIT (what the tests run)."""
+
+    __slots__ = ("_steps", "_layout", "_device")
+
+    def __init__(self, steps: list, layout: Layout, device: int | None):
+        # device: the GPU the launchers were compiled for; None: replays through the JIT
+        self._steps, self._layout, self._device = steps, layout, device
+
+    @classmethod
+    def record(cls, args: tuple, env: dict, layout: Layout, calls: list[KernelCall]) -> ExpertsPlan | None:
+        """The plan of a forward just run (:func:`experts_forward`'s results), or None
+        where the signature cannot have one (see the module's docstring)."""
+        buffers = [name for name, *_ in layout.buffers]
+        if not calls or "perm" not in buffers:
+            return None
+        names = [ARG_NAMES[i] for i in _TENSOR_ARGS] + ["out"] + buffers
+        sources = {}
+        for i, name in enumerate(names):
+            t = env.get(name)
+            if t is None:
+                continue
+            if i < len(_TENSOR_ARGS) and t.data_ptr() != args[_TENSOR_ARGS[i]].data_ptr():
+                return None  # a per-call copy of the argument
+            if id(t) in sources:
+                return None  # one tensor passed as two arguments: its source would be ambiguous
+            sources[id(t)] = _Source(i)
+        templates = []
+        for call in calls:
+            if any(isinstance(a, torch.Tensor) and id(a) not in sources for a in call.args):
+                return None
+            templates.append(tuple(sources[id(a)] if isinstance(a, torch.Tensor) else a for a in call.args))
+        entries = [cached(call) for call in calls]
+        compiled = [entry.compiled() for entry in entries]
+        if all(c is None for c in compiled):  # the interpreter
+            return cls(list(zip(entries, templates)), layout, None)
+        if any(c is None or c[3] != compiled[0][3] for c in compiled):
+            return None  # compiled for another device than this call's
+        steps = []
+        for entry, template, (run, function, metadata, _) in zip(entries, templates, compiled):
+            full = entry.full_args(template)
+            fill = [(pos, a) for pos, a in enumerate(full) if type(a) is _Source]
+            steps.append((run, entry.grid, function, metadata, full, fill))
+        return cls(steps, layout, compiled[0][3])
+
+    def __call__(self, hidden, top_k_index, top_k_weights, gate_up_proj, gate_up_scale_inv, down_proj,
+                 down_scale_inv, block_size, activation="silu", gate_up_act_scale=None, down_act_scale=None,
+                 swiglu_limit=None):
+        args = (hidden, top_k_index, top_k_weights, gate_up_proj, gate_up_scale_inv, down_proj, down_scale_inv,
+                block_size, activation, gate_up_act_scale, down_act_scale, swiglu_limit)
+        device = self._device
+        if device is not None and driver.active.get_current_device() != device:
+            return _stacked(args)[0]
+        out = torch.empty_like(hidden, memory_format=torch.contiguous_format)
+        ws = torch.empty(self._layout.nbytes, dtype=torch.uint8, device=hidden.device)
+        if device is None:
+            tensors = [a if a is None else _scale_bytes(a) for a in map(args.__getitem__, _TENSOR_ARGS)]
+            tensors += [out, *self._layout.views(ws)]
+            for entry, template in self._steps:
+                entry(*(tensors[a] if type(a) is _Source else a for a in template))
+            return out
+        base = ws.data_ptr()
+        ptrs = [None if (a := args[i]) is None else a.data_ptr() for i in _TENSOR_ARGS]
+        ptrs.append(out.data_ptr())
+        ptrs += [base + off for *_, off in self._layout.buffers]
+        stream = driver.active.get_current_stream(device)
+        for run, grid, function, metadata, full, fill in self._steps:
+            full = full.copy()
+            for pos, src in fill:
+                full[pos] = ptrs[src]
+            run(grid[0], grid[1], grid[2], stream, function, metadata, None, None, None, *full)
+        return out
+
+
+def experts_plan(*args) -> tuple[torch.Tensor, object]:
+    """The first call of a signature of the stacked experts ops: (its output, the callable
+    for later calls of the same signature: an :class:`ExpertsPlan`, or
+    :func:`grouped_experts` where the signature cannot have one)."""
+    out, env, layout, calls = _stacked(args)
+    plan = ExpertsPlan.record(args, env, layout, calls)
+    return out, plan if plan is not None else grouped_experts
