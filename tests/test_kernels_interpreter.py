@@ -38,7 +38,7 @@ if INTERPRETED:
     from fp8_moe_ops import kernels, reference
     from fp8_moe_ops.kernels import moe
     from fp8_moe_ops.kernels.grouped_gemm import _grouped_gemm_kernel
-    from fp8_moe_ops.kernels.quant import _quant_kernel
+    from fp8_moe_ops.kernels.sort import _sort_quant_kernel
     from fp8_moe_ops.kernels.quant import expert_of_rows
 
     @triton.jit
@@ -472,21 +472,21 @@ def test_experts_list_weight_scale_per_tile_and_per_column(monkeypatch, BN):
 def test_launch_cache_keys_on_argument_specialisation():
     # one cached launch per (kernel, grid, compile-time values, argument specialisation):
     # the same call again adds none; a hidden state at an odd address adds the launch
-    # of the kernel that reads it (the activation quantisation)
+    # of the kernel that reads it (the sort fused with the activation quantisation)
     from fp8_moe_ops.kernels import launch
 
     args, _ = _experts_args("T1", torch.bfloat16, torch.float32, static=False)
     launch._LAUNCHES.clear()
     out = kernels.grouped_experts(*args)
     first = dict(launch._LAUNCHES)
-    assert len(first) == 6  # sort, quantise, gate_up, activation, down, combine
+    assert len(first) == 5  # sort + quantise, gate_up, activation, down, combine
     assert torch.equal(kernels.grouped_experts(*args), out)
     assert launch._LAUNCHES.keys() == first.keys()
     hidden = args[0]
     args[0] = torch.empty(hidden.numel() + 1, dtype=hidden.dtype)[1:].view_as(hidden).copy_(hidden)
     assert torch.equal(kernels.grouped_experts(*args), out)
     added = [key for key in launch._LAUNCHES if key not in first]
-    assert [key[0] for key in added] == [_quant_kernel]
+    assert [key[0] for key in added] == [_sort_quant_kernel]
 
 
 @pytest.mark.parametrize("shared,other", [("down_act_scale", "gate_up_act_scale"),

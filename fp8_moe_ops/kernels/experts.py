@@ -6,7 +6,8 @@ Layout of the forward (S = T * k slots, slot ``t*k + j`` is token t's j-th choic
 1. ``perm`` (S,) sorted position -> slot, ``offsets`` (E,): :mod:`.sort` (one launch)
    for S <= 2048, else :mod:`fp8_moe_ops.routing` (torch.sort);
 2. activations quantised once: dynamic, (T, H) per token before any gather (scales
-   do not depend on the expert); static, the sorted rows with their expert's scale;
+   do not depend on the expert), in the sort's launch where the sort is one; static,
+   the sorted rows with their expert's scale;
 3. gate_up GEMM, A rows gathered by ``perm // k`` -> h (S, 2I) in sorted order;
 4. gated activation + quantisation -> (S, I) fp8;
 5. down GEMM, output rows scattered by ``perm`` -> y (S, H) in slot order;
@@ -18,7 +19,7 @@ and batched agree bitwise.  The intermediate buffers (perm, offsets, the quantis
 activations and their scales, h, y) are views of one workspace allocation
 (:func:`_layout`).
 
-**Launch plans.**  At decode the six kernels take microseconds each on the GPU, so the
+**Launch plans.**  At decode the five or six kernels take microseconds each on the GPU, so the
 CPU's work per call decides a step's time.  The first call of an argument signature
 runs the forward as above and records it as an :class:`ExpertsPlan`: per kernel, the
 compiled binary's launcher and its full argument list, each tensor argument replaced by
@@ -47,7 +48,7 @@ from .combine import combine_call
 from .launch import KernelCall, cached, launch
 from .moe import _block, _flat, _gemm_call, _quant_call, _sort_call
 from .quant import quant_launch_shape
-from .sort import MAX_SLOTS
+from .sort import MAX_SLOTS, _sort_quant_kernel, sort_launch_shape
 
 __all__ = ["grouped_experts", "batched_experts", "experts_forward", "experts_plan", "ExpertsPlan"]
 
@@ -90,6 +91,17 @@ def _layout(T: int, k: int, E: int, H: int, I: int, bk: int, dtype: torch.dtype,
     return Layout(buffers, offset)
 
 
+def _sort_quant_call(ids, perm, offsets, E: int, x, q, q_scale, bk: int) -> KernelCall:
+    """The one-launch sort of the slots and the dynamic quantisation of x (T, H), together."""
+    (sort_programs,), block, bins, nb = sort_launch_shape(ids.numel(), E)
+    T, H = x.shape
+    (row_blocks, groups), block_r, block_g = quant_launch_shape(T, H, bk)
+    return KernelCall(_sort_quant_kernel, (sort_programs + row_blocks * groups,), (
+        ids, perm, offsets, ids.numel(), E, sort_programs,
+        x, x.stride(0), x.stride(1), q, q_scale, T, H, groups,
+    ), dict(BLOCK=block, NB=bins, NUM_BLOCKS=nb, GROUP=bk, BLOCK_R=block_r, BLOCK_G=block_g), {})
+
+
 def _calls(env: dict, E: int, I: int, block: tuple[int, int], activation: str, swiglu_limit, gate_up: list,
            down: tuple) -> list[KernelCall]:
     """The forward's launches over the tensors of ``env`` (the op's routing tensors and
@@ -102,16 +114,19 @@ def _calls(env: dict, E: int, I: int, block: tuple[int, int], activation: str, s
     S = T * k
     perm, offsets, h, y = env["perm"], env["offsets"], env["h"], env["y"]
     gate_up_act_scale, down_act_scale = env["gate_up_act_scale"], env["down_act_scale"]
-    calls = [_sort_call(ids, perm, offsets, E)] if S <= MAX_SLOTS else []
-
-    # gate_up: h (S, 2I) in sorted order
+    # gate_up: h (S, 2I) in sorted order, from x quantised per token (dynamic: in the
+    # sort's launch) or the sorted rows quantised with their expert's scale (static)
     q = env["q"]
     if gate_up_act_scale is None:
         q_scale = env["q_scale"]
-        calls.append(_quant_call(hidden, q, q_scale, T, bk))
+        if S <= MAX_SLOTS:
+            calls = [_sort_quant_call(ids, perm, offsets, E, hidden, q, q_scale, bk)]
+        else:
+            calls = [_quant_call(hidden, q, q_scale, T, bk)]
         gemm = dict(offsets=offsets, perm=perm, gather_a=True, topk=k)
     else:
         q_scale = gate_up_act_scale
+        calls = [_sort_call(ids, perm, offsets, E)] if S <= MAX_SLOTS else []
         calls.append(_quant_call(hidden, q, q_scale, S, bk, perm=perm, offsets=offsets, static=True, topk=k))
         gemm = dict(offsets=offsets, static=True)
     for w, w_scale, cols, config_n in gate_up:

@@ -113,19 +113,12 @@ def expert_of_rows(rows, offsets_ptr, E, SEARCH_STEPS: tl.constexpr):
 
 
 @triton.jit
-def _quant_kernel(
-    x_ptr, stride_xm, stride_xk,  # x (rows of the source, K) float
-    q_ptr, s_ptr,                  # q (R, K) e4m3 contiguous; s (R, G) float32 (dynamic)
-    perm_ptr, offsets_ptr, act_scale_ptr,
-    R, K, E,
-    TOPK: tl.constexpr, GROUP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr,
-    SEARCH_STEPS: tl.constexpr, STATIC: tl.constexpr, GATHER: tl.constexpr,
-):
-    # program (row block, K group); dynamic quantises x's rows in place order, static
-    # quantises the expert-sorted rows (source row perm[i] // TOPK when GATHER) with
-    # the scale of the row's expert.
-    pid_r = tl.program_id(0)
-    g = tl.program_id(1)
+def quant_block(pid_r, g, x_ptr, stride_xm, stride_xk, q_ptr, s_ptr, perm_ptr, offsets_ptr, act_scale_ptr, R, K, E,
+                TOPK: tl.constexpr, GROUP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr,
+                SEARCH_STEPS: tl.constexpr, STATIC: tl.constexpr, GATHER: tl.constexpr):
+    """Row block ``pid_r``, K group ``g``: dynamic quantises x's rows in place order,
+    static the expert-sorted rows (source row perm[i] // TOPK when GATHER) with the
+    scale of the row's expert."""
     rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     cg = tl.arange(0, BLOCK_G)
     cols = g * GROUP + cg
@@ -142,6 +135,20 @@ def _quant_kernel(
     x = tl.load(x_ptr + src.to(tl.int64)[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask, other=0.0)
     quantize_and_store(x.to(tl.float32), rows, rmask, mask, cols, g, expert, q_ptr, s_ptr, act_scale_ptr, K,
                        GROUP=GROUP, STATIC=STATIC)
+
+
+@triton.jit
+def _quant_kernel(
+    x_ptr, stride_xm, stride_xk,  # x (rows of the source, K) float
+    q_ptr, s_ptr,                  # q (R, K) e4m3 contiguous; s (R, G) float32 (dynamic)
+    perm_ptr, offsets_ptr, act_scale_ptr,
+    R, K, E,
+    TOPK: tl.constexpr, GROUP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr,
+    SEARCH_STEPS: tl.constexpr, STATIC: tl.constexpr, GATHER: tl.constexpr,
+):
+    # program (row block, K group)
+    quant_block(tl.program_id(0), tl.program_id(1), x_ptr, stride_xm, stride_xk, q_ptr, s_ptr, perm_ptr, offsets_ptr,
+                act_scale_ptr, R, K, E, TOPK, GROUP, BLOCK_R, BLOCK_G, SEARCH_STEPS, STATIC, GATHER)
 
 
 def quant_launch_shape(rows: int, K: int, group: int) -> tuple[tuple[int, int], int, int]:

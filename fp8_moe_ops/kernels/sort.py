@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from ..functional import cdiv, next_power_of_2
+from .quant import quant_block
 
 BLOCK = 128
 MAX_SLOTS = 2048  # above this the torch path (radix sort) is cheaper
@@ -36,10 +37,10 @@ def _key(ids_ptr, j, S, E):
 
 
 @triton.jit
-def _sort_kernel(ids_ptr, perm_ptr, offsets_ptr, S, E, BLOCK: tl.constexpr, NB: tl.constexpr,
-                 NUM_BLOCKS: tl.constexpr):
+def sort_block(pid, ids_ptr, perm_ptr, offsets_ptr, S, E, BLOCK: tl.constexpr, NB: tl.constexpr,
+               NUM_BLOCKS: tl.constexpr):
+    """Block ``pid`` of the sort (program 0 also writes ``offsets``)."""
     # NB: histogram bins, a power of two > E (keys are 0..E, E = sentinel)
-    pid = tl.program_id(0)
     lane = tl.arange(0, BLOCK)
     total = tl.zeros((NB,), dtype=tl.int32)    # keys of all S slots
     before = tl.zeros((NB,), dtype=tl.int32)   # keys of the blocks before this one
@@ -64,6 +65,30 @@ def _sort_kernel(ids_ptr, perm_ptr, offsets_ptr, S, E, BLOCK: tl.constexpr, NB: 
     if pid == 0:
         eo = tl.arange(0, NB)
         tl.store(offsets_ptr + eo, tl.cumsum(total, 0), mask=eo < E)
+
+
+@triton.jit
+def _sort_kernel(ids_ptr, perm_ptr, offsets_ptr, S, E, BLOCK: tl.constexpr, NB: tl.constexpr,
+                 NUM_BLOCKS: tl.constexpr):
+    sort_block(tl.program_id(0), ids_ptr, perm_ptr, offsets_ptr, S, E, BLOCK, NB, NUM_BLOCKS)
+
+
+@triton.jit
+def _sort_quant_kernel(ids_ptr, perm_ptr, offsets_ptr, S, E, sort_programs,
+                       x_ptr, stride_xm, stride_xk, q_ptr, s_ptr, R, K, groups,
+                       BLOCK: tl.constexpr, NB: tl.constexpr, NUM_BLOCKS: tl.constexpr,
+                       GROUP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr):
+    """The sort (programs ``[0, sort_programs)``) and the dynamic quantisation of x's R
+    rows (the rest, ``groups`` K groups per row block) in one launch: they are
+    independent, and at decode each is a few microseconds of launch latency."""
+    pid = tl.program_id(0)
+    if pid < sort_programs:
+        sort_block(pid, ids_ptr, perm_ptr, offsets_ptr, S, E, BLOCK, NB, NUM_BLOCKS)
+    else:
+        j = pid - sort_programs
+        quant_block(j // groups, j % groups, x_ptr, stride_xm, stride_xk, q_ptr, s_ptr, q_ptr, q_ptr, s_ptr, R, K, 1,
+                    TOPK=1, GROUP=GROUP, BLOCK_R=BLOCK_R, BLOCK_G=BLOCK_G, SEARCH_STEPS=1, STATIC=False,
+                    GATHER=False)
 
 
 def sort_launch_shape(S: int, E: int) -> tuple[tuple[int], int, int, int]:
