@@ -15,7 +15,7 @@ On qwen3_30b_a3b's layer at T=1 (uniform routing, dynamic scales), µs of CPU pe
   first call);
 * ``compiled launcher``: the same launch through the compiled binary's launcher with
   the argument list ready (addresses as integers): what a launch plan does per kernel;
-* ``signature key``: the op's key of its arguments' metadata (``ops._meta_key``);
+* ``signature key``: the op's key of its arguments' metadata (``ops.meta_key``);
 * ``launch plan``: the op's launch plan for the call, called directly;
 * ``op``: ``torch.ops.fp8_moe.grouped_experts``, for scale.
 
@@ -74,7 +74,7 @@ def parts(model_name: str) -> dict:
         "JIT launch": lambda: _combine_kernel[grid](*args, **constexprs, enable_fp_fusion=False),
         "cached launch": lambda: cached(*args),
         "compiled launcher": lambda: run(*cached.grid, stream, function, metadata, None, None, None, *full),
-        "signature key": lambda: ops._meta_key(op_args),
+        "signature key": lambda: ops.meta_key(op_args),
         "launch plan": lambda: plan(*op_args),
         "op": lambda: torch.ops.fp8_moe.grouped_experts(x, idx, wts, *w, BLOCK),
     }, lib

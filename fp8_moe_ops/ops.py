@@ -282,7 +282,7 @@ _LIB = torch.library.Library("fp8_moe", "FRAGMENT")  # the experts ops (kept ali
 _MAX_PLANS = 4096  # per op; cleared when full (a model has a handful of call signatures)
 
 
-def _meta_key(args: tuple) -> tuple:
+def meta_key(args: tuple) -> tuple:
     """Everything the metadata checks and the launch plans read from the experts ops'
     arguments: each tensor's dtype, shape, strides, device and whether its address is
     a multiple of 16 bytes, and the other arguments' values."""
@@ -315,12 +315,12 @@ def _experts_op(name: str, schema: str, check, value_check, *, planned: bool = T
     of CPU per call on the H200 machine's host (a no-op op: 15-22 µs against 5.5-8.5 µs,
     ``bench/host_parts.py``), a third of a decode step's budget; the autograd kernel
     here costs about 3 µs (measured on the CPU machine).  On CUDA (``planned``) the
-    metadata checks run on the first call of each :func:`_meta_key`, which also records
+    metadata checks run on the first call of each :func:`meta_key`, which also records
     its launches as a plan that later calls of the key replay
     (:mod:`fp8_moe_ops.kernels.experts`); the value checks run on CPU only."""
     _LIB.define(name + schema)
     op = getattr(torch.ops.fp8_moe, name).default
-    plans: dict = {}  # _meta_key -> the callable running later calls of that key
+    plans: dict = {}  # meta_key -> the callable running later calls of that key
 
     def autograd_impl(keyset, *args):
         # the dispatcher passes every argument positionally (the schema has no keyword-only ones)
@@ -343,7 +343,7 @@ def _experts_op(name: str, schema: str, check, value_check, *, planned: bool = T
         if not planned:
             check(*args)
             return getattr(_kernels(), name)(*args)
-        key = _meta_key(args)
+        key = meta_key(args)
         run = plans.get(key)
         if run is not None:
             return run(*args)
@@ -477,6 +477,7 @@ def _check_experts_list_values(gate_up_scale_inv, down_scale_inv, gate_up_act_sc
 
 
 # per-expert lists (768 tensors at deepseek_v3's E = 256): a key of every tensor's
-# metadata would cost as much as the checks, so they run on every call
+# metadata would cost as much as the checks, so they run on every call (the entry point
+# keeps its launch plans on what the checks leave to decide)
 grouped_experts_list = _experts_op("grouped_experts_list", EXPERTS_LIST_SCHEMA, check_experts_list,
                                    _check_experts_list_values, planned=False)

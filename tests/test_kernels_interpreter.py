@@ -341,11 +341,11 @@ def _positional(args, kw):
 def test_plan_replays_the_forward_bitwise(case, static, scale_dtype):
     # a plan recorded on one call replays another call of the same signature (other
     # values, routing and tensors) exactly as the forward itself computes it
-    from fp8_moe_ops.kernels.experts import ExpertsPlan
+    from fp8_moe_ops.kernels.experts import StackedPlan
 
     first = _positional(*_experts_args(case, torch.bfloat16, scale_dtype, static, seed=11))
     out, plan = kernels.experts_plan(*first)
-    assert isinstance(plan, ExpertsPlan)
+    assert isinstance(plan, StackedPlan)
     assert torch.equal(out, kernels.grouped_experts(*first))
     second = _positional(*_experts_args(case, torch.bfloat16, scale_dtype, static, seed=12))
     assert not torch.equal(second[1], first[1])
@@ -354,13 +354,22 @@ def test_plan_replays_the_forward_bitwise(case, static, scale_dtype):
     assert torch.equal(plan(*second), want)
 
 
-def test_no_plan_where_a_kernel_reads_a_copy_of_an_argument():
-    # a transposed top_k_index is copied per call: the plan would read the first call's copy
-    args, kw = _experts_args("sentinels", torch.bfloat16, torch.float32, static=False)
-    args[1] = args[1].t().contiguous().t()
-    out, run = kernels.experts_plan(*_positional(args, kw))
-    assert run is kernels.grouped_experts
-    assert torch.equal(out, kernels.grouped_experts(*args, **kw))
+def test_plan_of_strided_arguments_reads_each_calls_copy():
+    # a transposed top_k_index / top_k_weights is copied dense on every call, the plan's
+    # replays included: the second call must not read the first call's copy
+    from fp8_moe_ops.kernels.experts import StackedPlan
+
+    def strided(seed):
+        args, kw = _experts_args("sentinels", torch.bfloat16, torch.float32, static=False, seed=seed)
+        args[1], args[2] = args[1].t().contiguous().t(), args[2].t().contiguous().t()
+        return _positional(args, kw)
+
+    first, second = strided(21), strided(22)
+    _, run = kernels.experts_plan(*first)
+    assert isinstance(run, StackedPlan)
+    want = kernels.grouped_experts(*second)
+    assert torch.equal(run(*second), want)
+    assert not torch.equal(want, kernels.grouped_experts(*first))
 
 
 def test_sort_slots_layout():
@@ -454,6 +463,35 @@ def test_experts_list_equals_stacked_bitwise(case, separate, static, scale_dtype
     assert torch.equal(out, stacked)
 
 
+@pytest.mark.parametrize("separate,static", [(False, False), (True, True)], ids=["fused_dynamic", "separate_static"])
+def test_experts_list_plan_replays_new_inputs_and_new_weights(separate, static):
+    # the list op records a plan on a signature's first call; later calls replay it with
+    # their own routing, and with a new address table where an expert's weight is a new tensor
+    from fp8_moe_ops.kernels import moe_list
+    from helpers import as_expert_lists
+
+    def call(seed):  # per-tensor scales: a gate_up grid that splits at I (I = 24)
+        args, kw = _experts_args("sentinels", torch.bfloat16, torch.float32, static, per_tensor=separate, seed=seed)
+        lists = as_expert_lists(dict(zip(_NAMES, args)), separate)
+        lists = {k: [t.clone() for t in v] if isinstance(v, list) and k != "block_size" else v for k, v in lists.items()}
+        return args, kw, lists
+
+    moe_list._PLANS.clear()
+    args, kw, lists = call(31)
+    assert torch.equal(kernels.grouped_experts_list(**lists, **kw), kernels.grouped_experts(*args, **kw))
+    assert [type(p).__name__ for p in moe_list._PLANS.values()] == ["ExpertsPlan"]
+    args2, kw2, _ = call(32)  # other routing and activations, the same weights
+    lists.update(hidden=args2[0], top_k_index=args2[1], top_k_weights=args2[2])
+    args[:3] = args2[:3]
+    assert torch.equal(kernels.grouped_experts_list(**lists, **kw), kernels.grouped_experts(*args, **kw))
+    lists["down_proj"][1] = -lists["down_proj"][1].float()  # a new tensor for one expert's weight
+    lists["down_proj"][1] = lists["down_proj"][1].to(torch.float8_e4m3fn)
+    args[5] = torch.stack(lists["down_proj"])
+    want = kernels.grouped_experts(*args, **kw)
+    assert torch.equal(kernels.grouped_experts_list(**lists, **kw), want)
+    assert len(moe_list._PLANS) == 1  # one signature, one plan, three calls
+
+
 @pytest.mark.parametrize("BN", [16, 64], ids=["tile_in_block", "tile_spans_blocks"])
 def test_experts_list_weight_scale_per_tile_and_per_column(monkeypatch, BN):
     # bn = 32, I = 32: BN = 16 takes one weight scale per tile, BN = 64 one per column
@@ -494,8 +532,11 @@ def test_launch_cache_keys_on_argument_specialisation():
 def test_plan_recorded_from_one_tensor_passed_twice(shared, other):
     # one tensor for both projections' act scales, or per-tensor weight scales, when
     # recorded; two tensors later: each argument is read from its own tensor
+    from fp8_moe_ops.kernels.experts import StackedPlan
+
     args, kw = _experts_args("T1", torch.bfloat16, torch.float32, static=True, per_tensor=True)
     given = dict(zip(_arg_names(), _positional(args, kw)))
     _, run = kernels.experts_plan(*{**given, shared: given[other]}.values())
+    assert isinstance(run, StackedPlan)
     assert not torch.equal(given[shared], given[other])
     assert torch.equal(run(*given.values()), kernels.grouped_experts(*given.values()))

@@ -50,31 +50,32 @@ from .moe import _block, _flat, _gemm_call, _quant_call, _sort_call
 from .quant import quant_launch_shape
 from .sort import MAX_SLOTS, _sort_quant_kernel, sort_launch_shape
 
-__all__ = ["grouped_experts", "batched_experts", "experts_forward", "experts_plan", "ExpertsPlan"]
+__all__ = ["grouped_experts", "batched_experts", "experts_forward", "experts_plan", "ExpertsPlan", "StackedPlan"]
 
 _ALIGN = 256  # bytes from one workspace buffer to the next (the kernels need 16)
 
-# the experts ops' arguments, in schema order, and the positions of the tensors among them
+# the experts ops' arguments, in schema order
 ARG_NAMES = ("hidden", "top_k_index", "top_k_weights", "gate_up_proj", "gate_up_scale_inv", "down_proj",
              "down_scale_inv", "block_size", "activation", "gate_up_act_scale", "down_act_scale", "swiglu_limit")
-_TENSOR_ARGS = (0, 1, 2, 3, 4, 5, 6, 9, 10)
 
 
 class Layout(NamedTuple):
-    """The workspace: its buffers as (name, dtype, shape, byte offset), and its size."""
+    """The workspace: its buffers as (name, dtype, shape, strides, byte offset), and its
+    size in bytes.  Buffers may overlap (the two column halves of ``h``)."""
 
     buffers: list
     nbytes: int
 
     def views(self, ws: torch.Tensor) -> list[torch.Tensor]:
         """The buffers as typed views of ``ws`` (``nbytes`` uint8), in order."""
-        return [ws[off:off + math.prod(shape) * dt.itemsize].view(dt).view(shape) for _, dt, shape, off in self.buffers]
+        return [ws.view(dt).as_strided(shape, strides, off // dt.itemsize) for _, dt, shape, strides, off in self.buffers]
 
 
 def _layout(T: int, k: int, E: int, H: int, I: int, bk: int, dtype: torch.dtype, static_gate_up: bool,
-            static_down: bool) -> Layout:
+            static_down: bool, split_h: bool) -> Layout:
     """The forward's intermediate buffers; ``perm`` / ``offsets`` only where the
-    one-launch sort runs (S <= 2048)."""
+    one-launch sort runs (S <= 2048); ``h_gate`` / ``h_up``, the halves of h that
+    separate gate and up GEMMs write, where ``split_h``."""
     S = T * k
     bufs = [("perm", torch.int32, (S,)), ("offsets", torch.int32, (E,))] if S <= MAX_SLOTS else []
     bufs.append(("q", torch.float8_e4m3fn, (S if static_gate_up else T, H)))
@@ -86,9 +87,18 @@ def _layout(T: int, k: int, E: int, H: int, I: int, bk: int, dtype: torch.dtype,
     bufs.append(("y", dtype, (S, H)))
     buffers, offset = [], 0
     for name, dt, shape in bufs:
-        buffers.append((name, dt, shape, offset))
+        strides = (shape[1], 1) if len(shape) == 2 else (1,)
+        buffers.append((name, dt, shape, strides, offset))
+        if name == "h" and split_h:
+            buffers += [("h_gate", dt, (S, I), (2 * I, 1), offset), ("h_up", dt, (S, I), (2 * I, 1), offset + I * dt.itemsize)]
         offset += cdiv(math.prod(shape) * dt.itemsize, _ALIGN) * _ALIGN
     return Layout(buffers, offset)
+
+
+def routing_sources(hidden, top_k_index, top_k_weights, gate_up_act_scale, down_act_scale) -> dict:
+    """The call's routing tensors and act scales as the kernels read them (dense)."""
+    return dict(hidden=hidden, top_k_index=top_k_index.contiguous(), top_k_weights=top_k_weights.contiguous(),
+                gate_up_act_scale=_flat(gate_up_act_scale), down_act_scale=_flat(down_act_scale))
 
 
 def _sort_quant_call(ids, perm, offsets, E: int, x, q, q_scale, bk: int) -> KernelCall:
@@ -106,7 +116,7 @@ def _calls(env: dict, E: int, I: int, block: tuple[int, int], activation: str, s
            down: tuple) -> list[KernelCall]:
     """The forward's launches over the tensors of ``env`` (the op's routing tensors and
     act scales, ``out``, and the buffers of :func:`_layout`).  ``gate_up``: one or two
-    (w, w_scale, columns of h or None, config_n) GEMMs; ``down``: (w, w_scale)."""
+    (w, w_scale, name of the output buffer, config_n) GEMMs; ``down``: (w, w_scale)."""
     bk = block[1]
     hidden, ids = env["hidden"], env["top_k_index"]
     T = hidden.shape[0]
@@ -129,9 +139,8 @@ def _calls(env: dict, E: int, I: int, block: tuple[int, int], activation: str, s
         calls = [_sort_call(ids, perm, offsets, E)] if S <= MAX_SLOTS else []
         calls.append(_quant_call(hidden, q, q_scale, S, bk, perm=perm, offsets=offsets, static=True, topk=k))
         gemm = dict(offsets=offsets, static=True)
-    for w, w_scale, cols, config_n in gate_up:
-        calls.append(_gemm_call(q, q_scale, w, w_scale, block, h if cols is None else h[:, cols],
-                                config_n=config_n, **gemm))
+    for w, w_scale, out, config_n in gate_up:
+        calls.append(_gemm_call(q, q_scale, w, w_scale, block, env[out], config_n=config_n, **gemm))
 
     # act(gate) * up, rounded, quantised for the down projection
     a_q = env["a_q"]
@@ -151,24 +160,22 @@ def _calls(env: dict, E: int, I: int, block: tuple[int, int], activation: str, s
     return [c for c in calls if c is not None]
 
 
-def experts_forward(hidden, top_k_index, top_k_weights, E: int, I: int, block: tuple[int, int], weights: dict,
-                    gate_up: list, down: tuple, activation: str, gate_up_act_scale, down_act_scale,
-                    swiglu_limit) -> tuple[torch.Tensor, dict, Layout, list[KernelCall]]:
-    """Runs the forward whatever holds the weights: ``weights`` (name -> tensor) are the
-    tensors the GEMMs read, ``gate_up`` / ``down`` the GEMMs as in :func:`_calls`.
-    Returns (out, the tensors by name, the workspace layout, the launches): what a plan
-    is recorded from."""
+def experts_forward(sources: dict, E: int, I: int, block: tuple[int, int], gate_up: list, down: tuple,
+                    activation: str, swiglu_limit) -> tuple[torch.Tensor, dict, Layout, list[KernelCall]]:
+    """Runs the forward whatever holds the weights.  ``sources`` (name -> tensor or None,
+    one object per name: :func:`_distinct`): :func:`routing_sources` and the tensors the
+    GEMMs read; ``gate_up`` / ``down``: the GEMMs over them as in :func:`_calls`.  Returns (out, the tensors by name, the workspace layout,
+    the launches): what a plan is recorded from."""
+    hidden, top_k_index = sources["hidden"], sources["top_k_index"]
     T, H = hidden.shape
     out = torch.empty_like(hidden, memory_format=torch.contiguous_format)
     if T == 0:
         return out, {}, Layout([], 0), []
     k = top_k_index.shape[1]
-    layout = _layout(T, k, E, H, I, block[1], hidden.dtype, gate_up_act_scale is not None,
-                     down_act_scale is not None)
-    env = dict(hidden=hidden, top_k_index=top_k_index.contiguous(), top_k_weights=top_k_weights.contiguous(),
-               gate_up_act_scale=_flat(gate_up_act_scale), down_act_scale=_flat(down_act_scale), out=out,
-               **weights)
+    layout = _layout(T, k, E, H, I, block[1], hidden.dtype, sources["gate_up_act_scale"] is not None,
+                     sources["down_act_scale"] is not None, any(spec[2] != "h" for spec in gate_up))
     ws = torch.empty(layout.nbytes, dtype=torch.uint8, device=hidden.device)
+    env = dict(sources, out=out)
     env.update(zip((name for name, *_ in layout.buffers), layout.views(ws)))
     if T * k > MAX_SLOTS:
         env["perm"], env["offsets"] = routing.sort_slots(top_k_index, E)
@@ -178,22 +185,39 @@ def experts_forward(hidden, top_k_index, top_k_weights, E: int, I: int, block: t
     return out, env, layout, calls
 
 
+def _distinct(sources: dict) -> dict:
+    """``sources`` with one tensor object per name: a tensor passed as two arguments (one
+    per-tensor scale for both projections, say) gets an alias for the second, so each
+    kernel argument names the argument it came from (what a plan records)."""
+    seen, out = set(), {}
+    for name, t in sources.items():
+        if t is not None and id(t) in seen:
+            t = t.view(t.shape)
+        if t is not None:
+            seen.add(id(t))
+        out[name] = t
+    return out
+
+
 def _scale_bytes(s: torch.Tensor) -> torch.Tensor:
     # UE8M0 grids reach the GEMM as their bytes (the kernel expands them)
     return s.view(torch.uint8) if s.dtype == torch.float8_e8m0fnu else s
 
 
-def _stacked(args: tuple) -> tuple:
+def _stacked_sources(args: tuple) -> dict:
     hidden, top_k_index, top_k_weights, gate_up_proj, gate_up_scale_inv, down_proj, down_scale_inv = args[:7]
-    block_size, activation, gate_up_act_scale, down_act_scale, swiglu_limit = args[7:]
-    E, two_i, _ = gate_up_proj.shape
-    weights = dict(gate_up_proj=gate_up_proj, gate_up_scale_inv=_scale_bytes(gate_up_scale_inv), down_proj=down_proj,
-                   down_scale_inv=_scale_bytes(down_scale_inv))
+    return _distinct(dict(routing_sources(hidden, top_k_index, top_k_weights, args[9], args[10]),
+                          gate_up_proj=gate_up_proj, gate_up_scale_inv=_scale_bytes(gate_up_scale_inv),
+                          down_proj=down_proj, down_scale_inv=_scale_bytes(down_scale_inv)))
+
+
+def _stacked(args: tuple, sources: dict | None = None) -> tuple:
+    sources = _stacked_sources(args) if sources is None else sources
+    E, two_i, _ = args[3].shape
     return experts_forward(
-        hidden, top_k_index, top_k_weights, E, two_i // 2, _block(block_size), weights,
-        [(weights["gate_up_proj"], weights["gate_up_scale_inv"], None, None)],
-        (weights["down_proj"], weights["down_scale_inv"]), activation, gate_up_act_scale, down_act_scale,
-        swiglu_limit)
+        sources, E, two_i // 2, _block(args[7]),
+        [(sources["gate_up_proj"], sources["gate_up_scale_inv"], "h", None)],
+        (sources["down_proj"], sources["down_scale_inv"]), args[8], args[11])
 
 
 def grouped_experts(hidden, top_k_index, top_k_weights, gate_up_proj, gate_up_scale_inv, down_proj,
@@ -215,40 +239,40 @@ def batched_experts(hidden, top_k_index, top_k_weights, gate_up_proj, gate_up_sc
 
 
 class _Source(int):
-    """A tensor argument's place in a recorded call: an index into the sources
-    (the op's tensors in :data:`_TENSOR_ARGS` order, the output, the workspace buffers)."""
+    """A tensor argument's place in a recorded call: an index into the sources of a
+    replay (the call's own tensors in the recorded order, the output, the workspace's
+    buffers)."""
 
 
 class ExpertsPlan:
-    """The recorded launches of one argument signature of the stacked experts ops.
+    """The recorded launches of one forward, replayable on any call whose sources have
+    the same names, dtypes, shapes, strides, 16-byte alignment and scalar arguments
+    (the caller keys plans on what decides those).
 
-    ``plan(*args)`` equals ``grouped_experts(*args)`` for any ``args`` of the signature it
-    was recorded from: on a GPU each launcher is called directly; under the Triton
-    interpreter the recorded calls are replayed through the JIT (what the tests run)."""
+    On a GPU each launcher is called directly with the sources' addresses; under the
+    Triton interpreter the recorded calls are replayed through the JIT (the tests)."""
 
-    __slots__ = ("_steps", "_layout", "_device")
+    __slots__ = ("_steps", "_layout", "device")
 
     def __init__(self, steps: list, layout: Layout, device: int | None):
         # device: the GPU the launchers were compiled for; None: replays through the JIT
-        self._steps, self._layout, self._device = steps, layout, device
+        self._steps, self._layout, self.device = steps, layout, device
 
     @classmethod
-    def record(cls, args: tuple, env: dict, layout: Layout, calls: list[KernelCall]) -> ExpertsPlan | None:
-        """The plan of a forward just run (:func:`experts_forward`'s results), or None
-        where the signature cannot have one (see the module's docstring)."""
+    def record(cls, names: list, env: dict, layout: Layout, calls: list[KernelCall]) -> ExpertsPlan | None:
+        """The plan of a forward just run (:func:`experts_forward`'s results; ``names``:
+        the keys of its ``sources``, in the order a replay passes them), or None where
+        it cannot have one (see the module's docstring)."""
         buffers = [name for name, *_ in layout.buffers]
         if not calls or "perm" not in buffers:
             return None
-        names = [ARG_NAMES[i] for i in _TENSOR_ARGS] + ["out"] + buffers
         sources = {}
-        for i, name in enumerate(names):
+        for i, name in enumerate([*names, "out", *buffers]):
             t = env.get(name)
             if t is None:
                 continue
-            if i < len(_TENSOR_ARGS) and t.data_ptr() != args[_TENSOR_ARGS[i]].data_ptr():
-                return None  # a per-call copy of the argument
             if id(t) in sources:
-                return None  # one tensor passed as two arguments: its source would be ambiguous
+                return None  # one object as two sources: which one a kernel reads is ambiguous (_distinct)
             sources[id(t)] = _Source(i)
         templates = []
         for call in calls:
@@ -259,33 +283,31 @@ class ExpertsPlan:
         compiled = [entry.compiled() for entry in entries]
         if all(c is None for c in compiled):  # the interpreter
             return cls(list(zip(entries, templates)), layout, None)
-        if any(c is None or c[3] != compiled[0][3] for c in compiled):
-            return None  # compiled for another device than this call's
+        device = driver.active.get_current_device()
+        if any(c is None or c[3] != device for c in compiled):
+            return None  # a launcher compiled for another device (the launch cache keys on the tensors' device)
         steps = []
         for entry, template, (run, function, metadata, _) in zip(entries, templates, compiled):
             full = entry.full_args(template)
             fill = [(pos, a) for pos, a in enumerate(full) if type(a) is _Source]
             steps.append((run, entry.grid, function, metadata, full, fill))
-        return cls(steps, layout, compiled[0][3])
+        return cls(steps, layout, device)
 
-    def __call__(self, hidden, top_k_index, top_k_weights, gate_up_proj, gate_up_scale_inv, down_proj,
-                 down_scale_inv, block_size, activation="silu", gate_up_act_scale=None, down_act_scale=None,
-                 swiglu_limit=None):
-        args = (hidden, top_k_index, top_k_weights, gate_up_proj, gate_up_scale_inv, down_proj, down_scale_inv,
-                block_size, activation, gate_up_act_scale, down_act_scale, swiglu_limit)
-        device = self._device
+    def run(self, inputs: list, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The forward on ``inputs`` (the sources' values, in the recorded order);
+        None when the current CUDA device is not the plan's."""
+        device = self.device
         if device is not None and driver.active.get_current_device() != device:
-            return _stacked(args)[0]
+            return None
         out = torch.empty_like(hidden, memory_format=torch.contiguous_format)
         ws = torch.empty(self._layout.nbytes, dtype=torch.uint8, device=hidden.device)
         if device is None:
-            tensors = [a if a is None else _scale_bytes(a) for a in map(args.__getitem__, _TENSOR_ARGS)]
-            tensors += [out, *self._layout.views(ws)]
+            tensors = [*inputs, out, *self._layout.views(ws)]
             for entry, template in self._steps:
                 entry(*(tensors[a] if type(a) is _Source else a for a in template))
             return out
         base = ws.data_ptr()
-        ptrs = [None if (a := args[i]) is None else a.data_ptr() for i in _TENSOR_ARGS]
+        ptrs = [None if t is None else t.data_ptr() for t in inputs]
         ptrs.append(out.data_ptr())
         ptrs += [base + off for *_, off in self._layout.buffers]
         stream = driver.active.get_current_stream(device)
@@ -297,10 +319,24 @@ class ExpertsPlan:
         return out
 
 
+class StackedPlan:
+    """``grouped_experts(*args)`` for the argument signature ``plan`` was recorded from."""
+
+    __slots__ = ("plan",)
+
+    def __init__(self, plan: ExpertsPlan):
+        self.plan = plan
+
+    def __call__(self, *args):
+        out = self.plan.run(list(_stacked_sources(args).values()), args[0])
+        return grouped_experts(*args) if out is None else out
+
+
 def experts_plan(*args) -> tuple[torch.Tensor, object]:
     """The first call of a signature of the stacked experts ops: (its output, the callable
-    for later calls of the same signature: an :class:`ExpertsPlan`, or
+    for later calls of the same signature: a :class:`StackedPlan`, or
     :func:`grouped_experts` where the signature cannot have one)."""
-    out, env, layout, calls = _stacked(args)
-    plan = ExpertsPlan.record(args, env, layout, calls)
-    return out, plan if plan is not None else grouped_experts
+    sources = _stacked_sources(args)
+    out, env, layout, calls = _stacked(args, sources)
+    plan = ExpertsPlan.record(list(sources), env, layout, calls)
+    return out, grouped_experts if plan is None else StackedPlan(plan)

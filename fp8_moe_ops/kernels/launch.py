@@ -12,8 +12,8 @@ first call goes through the JIT (which compiles, or finds, the binary and return
 it); later calls hand the arguments straight to that binary's launcher.  That is
 only right while every later call's arguments specialise as the first call's did:
 :func:`launch` keys its cache of ``Launch`` objects on everything that decides it
-(each scalar argument's value; each tensor's dtype and whether its address is a
-multiple of 16 bytes).  Triton's launch hooks (``knobs.runtime.launch_enter_hook``, used by
+(each scalar argument's value; each tensor's dtype, device and whether its address is
+a multiple of 16 bytes).  Triton's launch hooks (``knobs.runtime.launch_enter_hook``, used by
 Triton's own profiler) are not called on the fast path; ``torch.profiler`` and Nsight
 see the kernels as usual.  Under ``TRITON_INTERPRET=1`` every call goes through the
 interpreter.
@@ -88,16 +88,17 @@ _MAX_LAUNCHES = 4096  # cleared when full: a model has a few dozen call shapes p
 
 
 def _spec(arg):
-    # what Triton specialises a run-time argument on (plus the value of every scalar)
+    # what Triton specialises a run-time argument on (plus the value of every scalar, and
+    # a tensor's device: a compiled kernel is loaded on one GPU)
     if isinstance(arg, torch.Tensor):
-        return arg.dtype, arg.data_ptr() % 16 == 0
+        return arg.dtype, arg.data_ptr() % 16 == 0, arg.get_device()
     return arg
 
 
 def cached(call: KernelCall) -> Launch:
     """The cached :class:`Launch` for ``call``, keyed on the kernel, grid, compile-time
-    values, options and every run-time argument's specialisation (a tensor's dtype and
-    16-byte alignment, a scalar's value)."""
+    values, options and every run-time argument's specialisation (a tensor's dtype,
+    16-byte alignment and device, a scalar's value)."""
     key = (call.kernel, call.grid, *call.constexprs.items(), *call.options.items(), *map(_spec, call.args))
     entry = _LAUNCHES.get(key)
     if entry is None:

@@ -31,7 +31,8 @@ from __future__ import annotations
 import torch
 
 from .grouped_gemm import WeightTable
-from .experts import experts_forward
+from ..ops import meta_key
+from .experts import ExpertsPlan, experts_forward, routing_sources
 from .moe import _block
 
 __all__ = ["grouped_experts_list"]
@@ -70,12 +71,21 @@ def address_table(lists: tuple, device: torch.device) -> tuple[torch.Tensor, boo
     return entry
 
 
-def _weights(table, aligned: bool, start: int, count: int, w0: torch.Tensor, s0: torch.Tensor, scale_start: int):
+def _table(table: torch.Tensor, start: int, count: int) -> torch.Tensor:
+    return table[start:start + count]
+
+
+def _weights(w: torch.Tensor, s: torch.Tensor, count: int, w0: torch.Tensor, s0: torch.Tensor,
+             aligned: bool) -> WeightTable:
     gn, gk = s0.shape
     sn, sk = s0.stride()
-    return WeightTable(table[start:start + count], table[scale_start:scale_start + count], (count, *w0.shape), gn,
-                       (0 if gn == 1 else sn, 0 if gk == 1 else sk), s0.dtype == torch.float8_e8m0fnu,
-                       16 if aligned else 1)
+    return WeightTable(w, s, (count, *w0.shape), gn, (0 if gn == 1 else sn, 0 if gk == 1 else sk),
+                       s0.dtype == torch.float8_e8m0fnu, 16 if aligned else 1)
+
+
+# the launch plan of each signature (None: it cannot have one); see grouped_experts_list
+_PLANS: dict[tuple, ExpertsPlan | None] = {}
+_MAX_PLANS = 4096
 
 
 def grouped_experts_list(hidden, top_k_index, top_k_weights, gate_up_proj, gate_up_scale_inv, down_proj,
@@ -84,17 +94,42 @@ def grouped_experts_list(hidden, top_k_index, top_k_weights, gate_up_proj, gate_
     """Whole expert forward on per-expert lists: hidden (T, H), top_k_index /
     top_k_weights (T, k) -> (T, H).  ``down_proj``: E (H, I) matrices;
     ``gate_up_proj``: E fused (2I, H) matrices, or 2E (I, H) (every gate, then every up);
-    each with its scale grid in the matching ``*_scale_inv`` list."""
+    each with its scale grid in the matching ``*_scale_inv`` list.
+
+    The launches are recorded as a plan (:mod:`.experts`) on the first call of a
+    signature: the metadata of the routing tensors and act scales, the other arguments'
+    values, the list lengths, the first weight and scale grid of each list (the op's
+    checks hold every expert to them) and whether the weights are 16-byte aligned; the
+    address table is an input of the plan like any tensor."""
     block = _block(block_size)
     E, G = len(down_proj), len(gate_up_proj)
     I = down_proj[0].shape[1]
     table, aligned = address_table((gate_up_proj, gate_up_scale_inv, down_proj, down_scale_inv), hidden.device)
-    down = _weights(table, aligned, 2 * G, E, down_proj[0], down_scale_inv[0], 2 * G + E)
+    sources = routing_sources(hidden, top_k_index, top_k_weights, gate_up_act_scale, down_act_scale)
     if G == E:
-        gate_up = [(_weights(table, aligned, 0, E, gate_up_proj[0], gate_up_scale_inv[0], G), None, None, None)]
+        sources.update(gate_up_w=_table(table, 0, E), gate_up_s=_table(table, G, E))
     else:
-        gate = _weights(table, aligned, 0, E, gate_up_proj[0], gate_up_scale_inv[0], G)
-        up = _weights(table, aligned, E, E, gate_up_proj[0], gate_up_scale_inv[0], G + E)
-        gate_up = [(gate, None, slice(None, I), 2 * I), (up, None, slice(I, None), 2 * I)]
-    return experts_forward(hidden, top_k_index, top_k_weights, E, I, block, {}, gate_up, (down, None), activation,
-                           gate_up_act_scale, down_act_scale, swiglu_limit)[0]
+        sources.update(gate_w=_table(table, 0, E), up_w=_table(table, E, E), gate_s=_table(table, G, E),
+                       up_s=_table(table, G + E, E))
+    sources.update(down_w=_table(table, 2 * G, E), down_s=_table(table, 2 * G + E, E))
+    key = (meta_key((hidden, top_k_index, top_k_weights, block_size, activation, gate_up_act_scale, down_act_scale,
+                     swiglu_limit)), E, G, _layout(gate_up_proj[0], gate_up_scale_inv[0]),
+           _layout(down_proj[0], down_scale_inv[0]), aligned)
+    plan = _PLANS.get(key)
+    if plan is not None:
+        out = plan.run(list(sources.values()), hidden)
+        if out is not None:
+            return out
+    gu0, gus0 = gate_up_proj[0], gate_up_scale_inv[0]
+    if G == E:
+        gate_up = [(_weights(sources["gate_up_w"], sources["gate_up_s"], E, gu0, gus0, aligned), None, "h", None)]
+    else:
+        gate_up = [(_weights(sources["gate_w"], sources["gate_s"], E, gu0, gus0, aligned), None, "h_gate", 2 * I),
+                   (_weights(sources["up_w"], sources["up_s"], E, gu0, gus0, aligned), None, "h_up", 2 * I)]
+    down = (_weights(sources["down_w"], sources["down_s"], E, down_proj[0], down_scale_inv[0], aligned), None)
+    out, env, layout, calls = experts_forward(sources, E, I, block, gate_up, down, activation, swiglu_limit)
+    if key not in _PLANS:
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        _PLANS[key] = ExpertsPlan.record(list(sources), env, layout, calls)
+    return out
