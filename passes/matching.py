@@ -30,6 +30,7 @@ from typing import NamedTuple
 
 import torch
 from torch.fx import Node
+from torch._inductor.virtualized import V
 from torch.fx.experimental.symbolic_shapes import guard_or_false, statically_known_true
 
 import fp8_moe_ops.ops  # noqa: F401  (registers the torch.ops.fp8_moe ops read below)
@@ -85,9 +86,13 @@ def _same_shape(a: tuple, b: tuple) -> bool:
 def same_tokens(a: tuple, b: tuple) -> bool:
     """Whether two per-token shapes (hidden states, ids, routing weights) agree.  Once
     Dynamo makes the token count dynamic (a second batch size), each input's count is
-    its own symbol and nothing in the graph proves them equal: then they must be equal
-    in this compilation's example, and the equality becomes a guard, so an input where
-    they differ recompiles (the experts op's checks also reject it)."""
+    its own symbol and nothing in the graph proves them equal: under ``torch.compile``
+    they must then be equal in this compilation's example, and the equality becomes a
+    guard, so an input where they differ recompiles.  Ahead of time (AOTInductor) no
+    guard is checked at run time, so only a proven equality counts (export the three
+    inputs with one ``Dim`` for the token count)."""
+    if V.aot_compilation:
+        return _same_shape(a, b)
     return len(a) == len(b) and all(guard_or_false(x == y) for x, y in zip(a, b))
 
 

@@ -55,6 +55,30 @@ class TestDynamic(TestCase):
                 self.assertEqual(fp8_counters(), {"loops_rewritten": 2})
 
 
+    def test_token_counts_of_separate_symbols(self):
+        # under torch.compile an equality of the example becomes a guard; ahead of time
+        # (no guards at run time) only a proven one counts
+        from torch._dynamo.source import ConstantSource
+        from torch._inductor.virtualized import V
+        from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+        from passes.matching import same_tokens
+
+        env = ShapeEnv(duck_shape=False)  # each input's count its own symbol, as automatic dynamic gives
+
+        def count(name, hint):
+            return env.create_symintnode(env.create_symbol(hint, ConstantSource(name)), hint=hint)
+
+        index_rows, weight_rows, other_rows = count("index", 6), count("weights", 6), count("other", 7)
+        with V.set_aot_compilation(True):
+            self.assertFalse(same_tokens((index_rows, 2), (weight_rows, 2)))
+        self.assertEqual(env.guards, [])
+        self.assertTrue(same_tokens((index_rows, 2), (weight_rows, 2)))
+        self.assertEqual(len(env.guards), 1)  # the equality, to be checked on every call
+        self.assertFalse(same_tokens((index_rows, 2), (other_rows, 2)))
+        self.assertTrue(same_tokens((index_rows, 2), (index_rows, 2)))
+
+
 class TestFxGraphCache(TestCase):
     def _compile(self, m, args):
         torch._dynamo.reset()
