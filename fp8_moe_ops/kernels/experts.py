@@ -23,14 +23,15 @@ activations and their scales, h, y) are views of one workspace allocation
 CPU's work per call decides a step's time.  The first call of an argument signature
 runs the forward as above and records it as an :class:`ExpertsPlan`: per kernel, the
 compiled binary's launcher and its full argument list, each tensor argument replaced by
-its source (one of the op's tensors, the output, or a workspace buffer).  A later call
-with the same signature (``fp8_moe_ops.ops`` keys plans on every tensor's dtype, shape,
-strides, device and 16-byte alignment and every other argument's value) allocates the
-output and one workspace and hands each launcher its list with the sources' addresses
-filled in: no launch config, grid, view or cache key is computed again.  A signature
-gets no plan (and runs the forward above on every call) when a kernel would read a
-per-call copy of an argument (a non-contiguous ``top_k_index``, say) or S > 2048 (the
-torch sort allocates, and the GPU's time dwarfs the CPU's).
+its source (one of the call's tensors as the kernels read them, the output, or a
+workspace buffer).  A later call with the same signature (``fp8_moe_ops.ops`` keys the
+stacked ops' plans on every tensor's dtype, shape, strides, device and 16-byte alignment
+and every other argument's value; :mod:`.moe_list` keys its own) makes its sources with
+the same function (a strided ``top_k_index`` is copied dense on every call, as in the
+forward), allocates the output and one workspace and hands each launcher its list with
+the sources' addresses filled in: no launch config, grid, view or cache key is computed
+again.  A signature gets no plan (and runs the forward above on every call) for T = 0
+and for S > 2048 (the torch sort allocates, and the GPU's time dwarfs the CPU's).
 """
 
 from __future__ import annotations
