@@ -7,7 +7,7 @@ entry point:
 
 * ``op grouped_experts`` / ``op batched_experts``: ``torch.ops.fp8_moe.*`` (the custom
   op: dispatcher, argument checks, then the Triton entry point);
-* ``launch plan``: the plan the op replays after its first call of a signature
+* ``launch plan``: the plan the op replays from the third call of a signature
   (``fp8_moe_ops.kernels.experts.ExpertsPlan``), called directly: the difference to
   the op is the op's wrapper (dispatcher, autograd kernel, signature key);
 * ``kernels.grouped_experts``: the Triton forward without a plan (every launch's

@@ -290,6 +290,29 @@ def meta_key(args: tuple) -> tuple:
                  else tuple(a) if isinstance(a, list) else a for a in args)
 
 
+def planned_call(plans: dict, check, name: str, args: tuple) -> torch.Tensor:
+    """One CUDA call of a stacked experts op through ``plans`` (:func:`meta_key` -> state).
+    The first call of a key runs ``check`` and the forward; the second records the
+    launches as a plan (``fp8_moe_ops.kernels.experts_plan``); later calls replay it.
+    Recording on the second call keeps a signature seen once (a token count that never
+    comes back) from paying for a plan it never uses."""
+    key = meta_key(args)
+    run = plans.get(key, _UNSEEN)
+    if run is _UNSEEN:
+        check(*args)
+        if len(plans) >= _MAX_PLANS:
+            plans.clear()
+        plans[key] = None
+        return getattr(_kernels(), name)(*args)
+    if run is None:
+        out, plans[key] = _kernels().experts_plan(*args)
+        return out
+    return run(*args)
+
+
+_UNSEEN = object()
+
+
 class _NoAutograd(torch.autograd.Function):
     """An experts op called with inputs that require grad: the forward runs as usual;
     a backward through it raises (the ops are inference-only) instead of producing a
@@ -315,9 +338,10 @@ def _experts_op(name: str, schema: str, check, value_check, *, planned: bool = T
     of CPU per call on the H200 machine's host (a no-op op: 15-22 µs against 5.5-8.5 µs,
     ``bench/host_parts.py``), a third of a decode step's budget; the autograd kernel
     here costs about 3 µs (measured on the CPU machine).  On CUDA (``planned``) the
-    metadata checks run on the first call of each :func:`meta_key`, which also records
-    its launches as a plan that later calls of the key replay
-    (:mod:`fp8_moe_ops.kernels.experts`); the value checks run on CPU only."""
+    metadata checks run on the first call of each :func:`meta_key`, and its second call
+    records the launches as a plan that later calls of the key replay
+    (:func:`planned_call`, :mod:`fp8_moe_ops.kernels.experts`); the value checks run on
+    CPU only."""
     _LIB.define(name + schema)
     op = getattr(torch.ops.fp8_moe, name).default
     plans: dict = {}  # meta_key -> the callable running later calls of that key
@@ -343,16 +367,7 @@ def _experts_op(name: str, schema: str, check, value_check, *, planned: bool = T
         if not planned:
             check(*args)
             return getattr(_kernels(), name)(*args)
-        key = meta_key(args)
-        run = plans.get(key)
-        if run is not None:
-            return run(*args)
-        check(*args)
-        out, run = _kernels().experts_plan(*args)
-        if len(plans) >= _MAX_PLANS:
-            plans.clear()
-        plans[key] = run
-        return out
+        return planned_call(plans, check, name, args)
 
     def fake(hidden, top_k_index, top_k_weights, gate_up_proj, gate_up_scale_inv, down_proj, down_scale_inv,
              block_size, activation="silu", gate_up_act_scale=None, down_act_scale=None, swiglu_limit=None):

@@ -354,6 +354,32 @@ def test_plan_replays_the_forward_bitwise(case, static, scale_dtype):
     assert torch.equal(plan(*second), want)
 
 
+def test_op_records_a_plan_on_a_signatures_second_call():
+    # the CUDA kernel of the stacked ops (ops.planned_call), driven here with CPU tensors
+    # and the interpreted kernels: check + forward, then record, then replay
+    from fp8_moe_ops import ops
+    from fp8_moe_ops.kernels.experts import StackedPlan
+
+    plans, checked = {}, []
+
+    def check(*args):
+        checked.append(True)
+        ops.check_experts(*args)
+
+    calls = [_positional(*_experts_args("sentinels", torch.bfloat16, torch.float32, False, seed=s)) for s in (41, 42, 43)]
+    states = []
+    for args in calls:
+        assert torch.equal(ops.planned_call(plans, check, "grouped_experts", args), kernels.grouped_experts(*args))
+        states.append(type(next(iter(plans.values()))))
+    assert states == [type(None), StackedPlan, StackedPlan]
+    assert len(plans) == 1 and len(checked) == 1
+    bad = list(calls[0])
+    bad[2] = bad[2][:, :1]  # top_k_weights of another shape: a new key, checked, rejected
+    with pytest.raises(ValueError, match="top_k_weights"):
+        ops.planned_call(plans, check, "grouped_experts", tuple(bad))
+    assert len(plans) == 1
+
+
 def test_plan_of_strided_arguments_reads_each_calls_copy():
     # a transposed top_k_index / top_k_weights is copied dense on every call, the plan's
     # replays included: the second call must not read the first call's copy
@@ -478,8 +504,11 @@ def test_experts_list_plan_replays_new_inputs_and_new_weights(separate, static):
 
     moe_list._PLANS.clear()
     args, kw, lists = call(31)
-    assert torch.equal(kernels.grouped_experts_list(**lists, **kw), kernels.grouped_experts(*args, **kw))
-    assert [type(p).__name__ for p in moe_list._PLANS.values()] == ["ExpertsPlan"]
+    want = kernels.grouped_experts(*args, **kw)
+    assert torch.equal(kernels.grouped_experts_list(**lists, **kw), want)
+    assert list(moe_list._PLANS.values()) == [None]  # seen once
+    assert torch.equal(kernels.grouped_experts_list(**lists, **kw), want)
+    assert [type(p).__name__ for p in moe_list._PLANS.values()] == ["ExpertsPlan"]  # recorded
     args2, kw2, _ = call(32)  # other routing and activations, the same weights
     lists.update(hidden=args2[0], top_k_index=args2[1], top_k_weights=args2[2])
     args[:3] = args2[:3]
@@ -489,7 +518,7 @@ def test_experts_list_plan_replays_new_inputs_and_new_weights(separate, static):
     args[5] = torch.stack(lists["down_proj"])
     want = kernels.grouped_experts(*args, **kw)
     assert torch.equal(kernels.grouped_experts_list(**lists, **kw), want)
-    assert len(moe_list._PLANS) == 1  # one signature, one plan, three calls
+    assert len(moe_list._PLANS) == 1  # one signature, one plan, four calls
 
 
 @pytest.mark.parametrize("BN", [16, 64], ids=["tile_in_block", "tile_spans_blocks"])

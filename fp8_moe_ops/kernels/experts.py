@@ -20,8 +20,9 @@ activations and their scales, h, y) are views of one workspace allocation
 (:func:`_layout`).
 
 **Launch plans.**  At decode the five or six kernels take microseconds each on the GPU, so the
-CPU's work per call decides a step's time.  The first call of an argument signature
-runs the forward as above and records it as an :class:`ExpertsPlan`: per kernel, the
+CPU's work per call decides a step's time.  A call of an argument signature (the
+second: ``fp8_moe_ops.ops.planned_call``) runs the forward as above and records it as
+an :class:`ExpertsPlan`: per kernel, the
 compiled binary's launcher and its full argument list, each tensor argument replaced by
 its source (one of the call's tensors as the kernels read them, the output, or a
 workspace buffer).  A later call with the same signature (``fp8_moe_ops.ops`` keys the
@@ -334,7 +335,7 @@ class StackedPlan:
 
 
 def experts_plan(*args) -> tuple[torch.Tensor, object]:
-    """The first call of a signature of the stacked experts ops: (its output, the callable
+    """A call of a signature of the stacked experts ops, recorded: (its output, the callable
     for later calls of the same signature: a :class:`StackedPlan`, or
     :func:`grouped_experts` where the signature cannot have one)."""
     sources = _stacked_sources(args)

@@ -83,9 +83,11 @@ def _weights(w: torch.Tensor, s: torch.Tensor, count: int, w0: torch.Tensor, s0:
                        s0.dtype == torch.float8_e8m0fnu, 16 if aligned else 1)
 
 
-# the launch plan of each signature (None: it cannot have one); see grouped_experts_list
-_PLANS: dict[tuple, ExpertsPlan | None] = {}
+# per signature: None once seen, then its launch plan (False: it cannot have one); see
+# grouped_experts_list
+_PLANS: dict[tuple, ExpertsPlan | bool | None] = {}
 _MAX_PLANS = 4096
+_UNSEEN = object()
 
 
 def grouped_experts_list(hidden, top_k_index, top_k_weights, gate_up_proj, gate_up_scale_inv, down_proj,
@@ -96,11 +98,12 @@ def grouped_experts_list(hidden, top_k_index, top_k_weights, gate_up_proj, gate_
     ``gate_up_proj``: E fused (2I, H) matrices, or 2E (I, H) (every gate, then every up);
     each with its scale grid in the matching ``*_scale_inv`` list.
 
-    The launches are recorded as a plan (:mod:`.experts`) on the first call of a
-    signature: the metadata of the routing tensors and act scales, the other arguments'
-    values, the list lengths, the first weight and scale grid of each list (the op's
-    checks hold every expert to them) and whether the weights are 16-byte aligned; the
-    address table is an input of the plan like any tensor."""
+    The launches are recorded as a plan (:mod:`.experts`) on the second call of a
+    signature (as for the stacked ops: ``fp8_moe_ops.ops.planned_call``): the metadata of
+    the routing tensors and act scales, the other arguments' values, the list lengths,
+    the first weight and scale grid of each list (the op's checks hold every expert to
+    them) and whether the weights are 16-byte aligned; the address table is an input of
+    the plan like any tensor."""
     block = _block(block_size)
     E, G = len(down_proj), len(gate_up_proj)
     I = down_proj[0].shape[1]
@@ -115,8 +118,8 @@ def grouped_experts_list(hidden, top_k_index, top_k_weights, gate_up_proj, gate_
     key = (meta_key((hidden, top_k_index, top_k_weights, block_size, activation, gate_up_act_scale, down_act_scale,
                      swiglu_limit)), E, G, _layout(gate_up_proj[0], gate_up_scale_inv[0]),
            _layout(down_proj[0], down_scale_inv[0]), aligned)
-    plan = _PLANS.get(key)
-    if plan is not None:
+    plan = _PLANS.get(key, _UNSEEN)
+    if isinstance(plan, ExpertsPlan):
         out = plan.run(list(sources.values()), hidden)
         if out is not None:
             return out
@@ -128,8 +131,10 @@ def grouped_experts_list(hidden, top_k_index, top_k_weights, gate_up_proj, gate_
                    (_weights(sources["up_w"], sources["up_s"], E, gu0, gus0, aligned), None, "h_up", 2 * I)]
     down = (_weights(sources["down_w"], sources["down_s"], E, down_proj[0], down_scale_inv[0], aligned), None)
     out, env, layout, calls = experts_forward(sources, E, I, block, gate_up, down, activation, swiglu_limit)
-    if key not in _PLANS:
+    if plan is _UNSEEN:
         if len(_PLANS) >= _MAX_PLANS:
             _PLANS.clear()
-        _PLANS[key] = ExpertsPlan.record(list(sources), env, layout, calls)
+        _PLANS[key] = None
+    elif plan is None:
+        _PLANS[key] = ExpertsPlan.record(list(sources), env, layout, calls) or False
     return out
