@@ -67,3 +67,11 @@ def check_swiglu_limit(swiglu_limit: object) -> float | None:
     if not swiglu_limit > 0:
         fail(ValueError, "swiglu_limit", "None or a positive float", swiglu_limit)
     return float(swiglu_limit)
+
+
+def meta_key(args: tuple) -> tuple:
+    """Everything the metadata checks and the launch plans read from the experts ops'
+    arguments: each tensor's dtype, shape, strides, device and whether its address is
+    a multiple of 16 bytes, and the other arguments' values."""
+    return tuple((a.dtype, a.shape, a.stride(), a.device, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor)
+                 else tuple(a) if isinstance(a, list) else a for a in args)

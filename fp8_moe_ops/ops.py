@@ -28,7 +28,7 @@ from typing import NamedTuple
 import torch
 
 from . import reference
-from ._checks import SCALE_DTYPES, check_block_size, fail, shape_str
+from ._checks import SCALE_DTYPES, check_block_size, fail, meta_key, shape_str
 from .functional import ACTIVATIONS, cdiv
 
 _ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -280,14 +280,6 @@ def _check_experts_values(gate_up_scale_inv, down_scale_inv, gate_up_act_scale, 
 
 _LIB = torch.library.Library("fp8_moe", "FRAGMENT")  # the experts ops (kept alive: it owns the registrations)
 _MAX_PLANS = 4096  # per op; cleared when full (a model has a handful of call signatures)
-
-
-def meta_key(args: tuple) -> tuple:
-    """Everything the metadata checks and the launch plans read from the experts ops'
-    arguments: each tensor's dtype, shape, strides, device and whether its address is
-    a multiple of 16 bytes, and the other arguments' values."""
-    return tuple((a.dtype, a.shape, a.stride(), a.device, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor)
-                 else tuple(a) if isinstance(a, list) else a for a in args)
 
 
 def planned_call(plans: dict, check, name: str, args: tuple) -> torch.Tensor:

@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from .grouped_gemm import WeightTable
-from ..ops import meta_key
+from .._checks import meta_key
 from .experts import ExpertsPlan, experts_forward, routing_sources
 from .moe import _block
 
