@@ -279,30 +279,17 @@ def _check_experts_values(gate_up_scale_inv, down_scale_inv, gate_up_act_scale, 
 
 
 _LIB = torch.library.Library("fp8_moe", "FRAGMENT")  # the experts ops (kept alive: it owns the registrations)
-_MAX_PLANS = 4096  # per op; cleared when full (a model has a handful of call signatures)
 
 
-def planned_call(plans: dict, check, name: str, args: tuple) -> torch.Tensor:
-    """One CUDA call of a stacked experts op through ``plans`` (:func:`meta_key` -> state).
-    The first call of a key runs ``check`` and the forward; the second records the
-    launches as a plan (``fp8_moe_ops.kernels.experts_plan``); later calls replay it.
-    Recording on the second call keeps a signature seen once (a token count that never
-    comes back) from paying for a plan it never uses."""
+def planned_call(plans: dict, check, args: tuple) -> torch.Tensor:
+    """One CUDA call of a stacked experts op through its table of launch plans
+    (:func:`meta_key` -> state, ``fp8_moe_ops.kernels.experts.planned``): the first call of
+    a key runs ``check`` and the forward, the second records the launches, later calls
+    replay them."""
     key = meta_key(args)
-    run = plans.get(key, _UNSEEN)
-    if run is _UNSEEN:
+    if key not in plans:
         check(*args)
-        if len(plans) >= _MAX_PLANS:
-            plans.clear()
-        plans[key] = None
-        return getattr(_kernels(), name)(*args)
-    if run is None:
-        out, plans[key] = _kernels().experts_plan(*args)
-        return out
-    return run(*args)
-
-
-_UNSEEN = object()
+    return _kernels().planned_experts(plans, key, args)
 
 
 class _NoAutograd(torch.autograd.Function):
@@ -332,11 +319,11 @@ def _experts_op(name: str, schema: str, check, value_check, *, planned: bool = T
     here costs about 3 µs (measured on the CPU machine).  On CUDA (``planned``) the
     metadata checks run on the first call of each :func:`meta_key`, and its second call
     records the launches as a plan that later calls of the key replay
-    (:func:`planned_call`, :mod:`fp8_moe_ops.kernels.experts`); the value checks run on
+    (:func:`planned_call`); the value checks run on
     CPU only."""
     _LIB.define(name + schema)
     op = getattr(torch.ops.fp8_moe, name).default
-    plans: dict = {}  # meta_key -> the callable running later calls of that key
+    plans: dict = {}  # meta_key -> plan state (planned_call)
 
     def autograd_impl(keyset, *args):
         # the dispatcher passes every argument positionally (the schema has no keyword-only ones)
@@ -359,7 +346,7 @@ def _experts_op(name: str, schema: str, check, value_check, *, planned: bool = T
         if not planned:
             check(*args)
             return getattr(_kernels(), name)(*args)
-        return planned_call(plans, check, name, args)
+        return planned_call(plans, check, args)
 
     def fake(hidden, top_k_index, top_k_weights, gate_up_proj, gate_up_scale_inv, down_proj, down_scale_inv,
              block_size, activation="silu", gate_up_act_scale=None, down_act_scale=None, swiglu_limit=None):

@@ -29,7 +29,7 @@ import torch
 from fp8_moe_ops import reference
 from fp8_moe_ops import kernels
 from fp8_moe_ops.kernels import moe
-from fp8_moe_ops.kernels.experts import ARG_NAMES, StackedPlan
+from fp8_moe_ops.kernels.experts import ARG_NAMES, ExpertsPlan
 
 from helpers import MODELS, make_expert_weights, make_experts_inputs, make_routing, rel_err
 
@@ -326,8 +326,10 @@ def test_launch_plan_replays_new_inputs_bitwise(case, combo):
         return {key: _cuda(v) for key, v in args.items()}
 
     first, second = inputs(1), inputs(2)
-    out, plan = kernels.experts_plan(*(first.get(name) for name in ARG_NAMES))
-    assert isinstance(plan, StackedPlan) and plan.plan.device is not None  # the launchers, called directly
+    states = {}
+    for _ in range(2):  # the second call records
+        out = kernels.planned_experts(states, "sig", tuple(first.get(name) for name in ARG_NAMES))
+    assert isinstance(states["sig"], ExpertsPlan) and states["sig"].device is not None  # launchers called directly
     assert torch.equal(out, kernels.grouped_experts(**first))
     OPS.grouped_experts(**first)  # checks the signature
     OPS.grouped_experts(**first)  # records the op's plan for it
@@ -336,4 +338,4 @@ def test_launch_plan_replays_new_inputs_bitwise(case, combo):
     want = kernels.grouped_experts(**second)
     assert not torch.equal(want, out)
     assert torch.equal(got, want)
-    assert torch.equal(plan(*(second.get(name) for name in ARG_NAMES)), want)
+    assert torch.equal(kernels.planned_experts(states, "sig", tuple(second.get(name) for name in ARG_NAMES)), want)

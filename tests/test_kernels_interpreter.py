@@ -332,6 +332,18 @@ def _positional(args, kw):
     return tuple(given.get(name, "silu" if name == "activation" else None) for name in _arg_names())
 
 
+def _recorded(first):
+    """(a table of plans holding the plan of ``first``'s signature under the key "sig",
+    the output of the call that recorded it: the signature's second)."""
+    from fp8_moe_ops.kernels.experts import ExpertsPlan
+
+    states = {}
+    kernels.planned_experts(states, "sig", first)
+    out = kernels.planned_experts(states, "sig", first)
+    assert isinstance(states["sig"], ExpertsPlan)
+    return states, out
+
+
 @pytest.mark.parametrize("case,static,scale_dtype", [
     ("T1", False, torch.float32),
     ("sentinels", True, torch.float32),
@@ -341,24 +353,21 @@ def _positional(args, kw):
 def test_plan_replays_the_forward_bitwise(case, static, scale_dtype):
     # a plan recorded on one call replays another call of the same signature (other
     # values, routing and tensors) exactly as the forward itself computes it
-    from fp8_moe_ops.kernels.experts import StackedPlan
-
     first = _positional(*_experts_args(case, torch.bfloat16, scale_dtype, static, seed=11))
-    out, plan = kernels.experts_plan(*first)
-    assert isinstance(plan, StackedPlan)
+    states, out = _recorded(first)
     assert torch.equal(out, kernels.grouped_experts(*first))
     second = _positional(*_experts_args(case, torch.bfloat16, scale_dtype, static, seed=12))
     assert not torch.equal(second[1], first[1])
     want = kernels.grouped_experts(*second)
     assert not torch.equal(want, out)
-    assert torch.equal(plan(*second), want)
+    assert torch.equal(kernels.planned_experts(states, "sig", second), want)
 
 
 def test_op_records_a_plan_on_a_signatures_second_call():
     # the CUDA kernel of the stacked ops (ops.planned_call), driven here with CPU tensors
     # and the interpreted kernels: check + forward, then record, then replay
     from fp8_moe_ops import ops
-    from fp8_moe_ops.kernels.experts import StackedPlan
+    from fp8_moe_ops.kernels.experts import ExpertsPlan
 
     plans, checked = {}, []
 
@@ -369,32 +378,29 @@ def test_op_records_a_plan_on_a_signatures_second_call():
     calls = [_positional(*_experts_args("sentinels", torch.bfloat16, torch.float32, False, seed=s)) for s in (41, 42, 43)]
     states = []
     for args in calls:
-        assert torch.equal(ops.planned_call(plans, check, "grouped_experts", args), kernels.grouped_experts(*args))
+        assert torch.equal(ops.planned_call(plans, check, args), kernels.grouped_experts(*args))
         states.append(type(next(iter(plans.values()))))
-    assert states == [type(None), StackedPlan, StackedPlan]
+    assert states == [type(None), ExpertsPlan, ExpertsPlan]
     assert len(plans) == 1 and len(checked) == 1
     bad = list(calls[0])
     bad[2] = bad[2][:, :1]  # top_k_weights of another shape: a new key, checked, rejected
     with pytest.raises(ValueError, match="top_k_weights"):
-        ops.planned_call(plans, check, "grouped_experts", tuple(bad))
+        ops.planned_call(plans, check, tuple(bad))
     assert len(plans) == 1
 
 
 def test_plan_of_strided_arguments_reads_each_calls_copy():
     # a transposed top_k_index / top_k_weights is copied dense on every call, the plan's
-    # replays included: the second call must not read the first call's copy
-    from fp8_moe_ops.kernels.experts import StackedPlan
-
+    # replays included: the replay must not read the recording call's copy
     def strided(seed):
         args, kw = _experts_args("sentinels", torch.bfloat16, torch.float32, static=False, seed=seed)
         args[1], args[2] = args[1].t().contiguous().t(), args[2].t().contiguous().t()
         return _positional(args, kw)
 
     first, second = strided(21), strided(22)
-    _, run = kernels.experts_plan(*first)
-    assert isinstance(run, StackedPlan)
+    states, _ = _recorded(first)
     want = kernels.grouped_experts(*second)
-    assert torch.equal(run(*second), want)
+    assert torch.equal(kernels.planned_experts(states, "sig", second), want)
     assert not torch.equal(want, kernels.grouped_experts(*first))
 
 
@@ -561,11 +567,9 @@ def test_launch_cache_keys_on_argument_specialisation():
 def test_plan_recorded_from_one_tensor_passed_twice(shared, other):
     # one tensor for both projections' act scales, or per-tensor weight scales, when
     # recorded; two tensors later: each argument is read from its own tensor
-    from fp8_moe_ops.kernels.experts import StackedPlan
-
     args, kw = _experts_args("T1", torch.bfloat16, torch.float32, static=True, per_tensor=True)
     given = dict(zip(_arg_names(), _positional(args, kw)))
-    _, run = kernels.experts_plan(*{**given, shared: given[other]}.values())
-    assert isinstance(run, StackedPlan)
+    states, _ = _recorded(tuple({**given, shared: given[other]}.values()))
     assert not torch.equal(given[shared], given[other])
-    assert torch.equal(run(*given.values()), kernels.grouped_experts(*given.values()))
+    assert torch.equal(kernels.planned_experts(states, "sig", tuple(given.values())),
+                       kernels.grouped_experts(*given.values()))

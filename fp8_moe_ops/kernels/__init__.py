@@ -8,9 +8,9 @@ with the down projection's quantisation), :mod:`.combine` (deterministic combine
 plans), :mod:`.moe_list` (the entry point on per-expert weight lists).
 """
 
-from .experts import batched_experts, experts_plan, grouped_experts
+from .experts import batched_experts, grouped_experts, planned_experts
 from .moe import batched_mm, grouped_mm, linear
 from .moe_list import grouped_experts_list
 
 __all__ = ["linear", "grouped_mm", "batched_mm", "grouped_experts", "batched_experts", "grouped_experts_list",
-           "experts_plan"]
+           "planned_experts"]

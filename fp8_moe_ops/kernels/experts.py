@@ -21,8 +21,8 @@ activations and their scales, h, y) are views of one workspace allocation
 
 **Launch plans.**  At decode the five or six kernels take microseconds each on the GPU, so the
 CPU's work per call decides a step's time.  A call of an argument signature (the
-second: ``fp8_moe_ops.ops.planned_call``) runs the forward as above and records it as
-an :class:`ExpertsPlan`: per kernel, the
+second: :func:`planned`) runs the forward as above and records it as an
+:class:`ExpertsPlan`: per kernel, the
 compiled binary's launcher and its full argument list, each tensor argument replaced by
 its source (one of the call's tensors as the kernels read them, the output, or a
 workspace buffer).  A later call with the same signature (``fp8_moe_ops.ops`` keys the
@@ -52,7 +52,7 @@ from .moe import _block, _flat, _gemm_call, _quant_call, _sort_call
 from .quant import quant_launch_shape
 from .sort import MAX_SLOTS, _sort_quant_kernel, sort_launch_shape
 
-__all__ = ["grouped_experts", "batched_experts", "experts_forward", "experts_plan", "ExpertsPlan", "StackedPlan"]
+__all__ = ["grouped_experts", "batched_experts", "experts_forward", "planned", "planned_experts", "ExpertsPlan"]
 
 _ALIGN = 256  # bytes from one workspace buffer to the next (the kernels need 16)
 
@@ -213,8 +213,7 @@ def _stacked_sources(args: tuple) -> dict:
                           down_proj=down_proj, down_scale_inv=_scale_bytes(down_scale_inv)))
 
 
-def _stacked(args: tuple, sources: dict | None = None) -> tuple:
-    sources = _stacked_sources(args) if sources is None else sources
+def _stacked(args: tuple, sources: dict) -> tuple:
     E, two_i, _ = args[3].shape
     return experts_forward(
         sources, E, two_i // 2, _block(args[7]),
@@ -226,8 +225,9 @@ def grouped_experts(hidden, top_k_index, top_k_weights, gate_up_proj, gate_up_sc
                     down_scale_inv, block_size, activation="silu", gate_up_act_scale=None,
                     down_act_scale=None, swiglu_limit=None):
     """Whole expert forward: hidden (T, H), top_k_index / top_k_weights (T, k) -> (T, H)."""
-    return _stacked((hidden, top_k_index, top_k_weights, gate_up_proj, gate_up_scale_inv, down_proj,
-                     down_scale_inv, block_size, activation, gate_up_act_scale, down_act_scale, swiglu_limit))[0]
+    args = (hidden, top_k_index, top_k_weights, gate_up_proj, gate_up_scale_inv, down_proj, down_scale_inv,
+            block_size, activation, gate_up_act_scale, down_act_scale, swiglu_limit)
+    return _stacked(args, _stacked_sources(args))[0]
 
 
 def batched_experts(hidden, top_k_index, top_k_weights, gate_up_proj, gate_up_scale_inv, down_proj,
@@ -321,24 +321,35 @@ class ExpertsPlan:
         return out
 
 
-class StackedPlan:
-    """``grouped_experts(*args)`` for the argument signature ``plan`` was recorded from."""
-
-    __slots__ = ("plan",)
-
-    def __init__(self, plan: ExpertsPlan):
-        self.plan = plan
-
-    def __call__(self, *args):
-        out = self.plan.run(list(_stacked_sources(args).values()), args[0])
-        return grouped_experts(*args) if out is None else out
+_MAX_PLANS = 4096  # signatures per table; cleared when full (a model has a handful)
+_UNSEEN = object()
 
 
-def experts_plan(*args) -> tuple[torch.Tensor, object]:
-    """A call of a signature of the stacked experts ops, recorded: (its output, the callable
-    for later calls of the same signature: a :class:`StackedPlan`, or
-    :func:`grouped_experts` where the signature cannot have one)."""
+def planned(states: dict, key, sources: dict, hidden: torch.Tensor, forward) -> torch.Tensor:
+    """One call through a table of plans (``states``: signature key -> None once seen, then
+    its :class:`ExpertsPlan`, or False where it cannot have one).  A signature's first
+    call runs ``forward()`` (:func:`experts_forward`'s results on ``sources``), its second
+    also records the launches, later calls replay them.  Recording on the second call
+    keeps a signature seen once (a token count that never comes back) from paying for a
+    plan it never replays."""
+    state = states.get(key, _UNSEEN)
+    if isinstance(state, ExpertsPlan):
+        out = state.run(list(sources.values()), hidden)
+        if out is not None:
+            return out
+    out, env, layout, calls = forward()
+    if state is _UNSEEN:
+        if len(states) >= _MAX_PLANS:
+            states.clear()
+        states[key] = None
+    elif state is None:
+        states[key] = ExpertsPlan.record(list(sources), env, layout, calls) or False
+    return out
+
+
+def planned_experts(states: dict, key, args: tuple) -> torch.Tensor:
+    """``grouped_experts(*args)`` (the twelve arguments in schema order) through
+    :func:`planned`; ``key`` decides every tensor's dtype, shape, strides, device and
+    16-byte alignment and every other argument's value (``fp8_moe_ops.ops`` keys on them)."""
     sources = _stacked_sources(args)
-    out, env, layout, calls = _stacked(args, sources)
-    plan = ExpertsPlan.record(list(sources), env, layout, calls)
-    return out, grouped_experts if plan is None else StackedPlan(plan)
+    return planned(states, key, sources, args[0], lambda: _stacked(args, sources))

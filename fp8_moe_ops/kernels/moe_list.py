@@ -32,7 +32,7 @@ import torch
 
 from .grouped_gemm import WeightTable
 from .._checks import meta_key
-from .experts import ExpertsPlan, experts_forward, routing_sources
+from .experts import experts_forward, planned, routing_sources
 from .moe import _block
 
 __all__ = ["grouped_experts_list"]
@@ -83,11 +83,7 @@ def _weights(w: torch.Tensor, s: torch.Tensor, count: int, w0: torch.Tensor, s0:
                        s0.dtype == torch.float8_e8m0fnu, 16 if aligned else 1)
 
 
-# per signature: None once seen, then its launch plan (False: it cannot have one); see
-# grouped_experts_list
-_PLANS: dict[tuple, ExpertsPlan | bool | None] = {}
-_MAX_PLANS = 4096
-_UNSEEN = object()
+_PLANS: dict = {}  # signature -> plan state (experts.planned)
 
 
 def grouped_experts_list(hidden, top_k_index, top_k_weights, gate_up_proj, gate_up_scale_inv, down_proj,
@@ -99,7 +95,7 @@ def grouped_experts_list(hidden, top_k_index, top_k_weights, gate_up_proj, gate_
     each with its scale grid in the matching ``*_scale_inv`` list.
 
     The launches are recorded as a plan (:mod:`.experts`) on the second call of a
-    signature (as for the stacked ops: ``fp8_moe_ops.ops.planned_call``): the metadata of
+    signature (:func:`.experts.planned`, as for the stacked ops): the metadata of
     the routing tensors and act scales, the other arguments' values, the list lengths,
     the first weight and scale grid of each list (the op's checks hold every expert to
     them) and whether the weights are 16-byte aligned; the address table is an input of
@@ -118,23 +114,15 @@ def grouped_experts_list(hidden, top_k_index, top_k_weights, gate_up_proj, gate_
     key = (meta_key((hidden, top_k_index, top_k_weights, block_size, activation, gate_up_act_scale, down_act_scale,
                      swiglu_limit)), E, G, _layout(gate_up_proj[0], gate_up_scale_inv[0]),
            _layout(down_proj[0], down_scale_inv[0]), aligned)
-    plan = _PLANS.get(key, _UNSEEN)
-    if isinstance(plan, ExpertsPlan):
-        out = plan.run(list(sources.values()), hidden)
-        if out is not None:
-            return out
     gu0, gus0 = gate_up_proj[0], gate_up_scale_inv[0]
-    if G == E:
-        gate_up = [(_weights(sources["gate_up_w"], sources["gate_up_s"], E, gu0, gus0, aligned), None, "h", None)]
-    else:
-        gate_up = [(_weights(sources["gate_w"], sources["gate_s"], E, gu0, gus0, aligned), None, "h_gate", 2 * I),
-                   (_weights(sources["up_w"], sources["up_s"], E, gu0, gus0, aligned), None, "h_up", 2 * I)]
-    down = (_weights(sources["down_w"], sources["down_s"], E, down_proj[0], down_scale_inv[0], aligned), None)
-    out, env, layout, calls = experts_forward(sources, E, I, block, gate_up, down, activation, swiglu_limit)
-    if plan is _UNSEEN:
-        if len(_PLANS) >= _MAX_PLANS:
-            _PLANS.clear()
-        _PLANS[key] = None
-    elif plan is None:
-        _PLANS[key] = ExpertsPlan.record(list(sources), env, layout, calls) or False
-    return out
+
+    def forward():
+        if G == E:
+            gate_up = [(_weights(sources["gate_up_w"], sources["gate_up_s"], E, gu0, gus0, aligned), None, "h", None)]
+        else:
+            gate_up = [(_weights(sources["gate_w"], sources["gate_s"], E, gu0, gus0, aligned), None, "h_gate", 2 * I),
+                       (_weights(sources["up_w"], sources["up_s"], E, gu0, gus0, aligned), None, "h_up", 2 * I)]
+        down = (_weights(sources["down_w"], sources["down_s"], E, down_proj[0], down_scale_inv[0], aligned), None)
+        return experts_forward(sources, E, I, block, gate_up, down, activation, swiglu_limit)
+
+    return planned(_PLANS, key, sources, hidden, forward)
