@@ -63,7 +63,7 @@ ARG_NAMES = ("hidden", "top_k_index", "top_k_weights", "gate_up_proj", "gate_up_
 
 class Layout(NamedTuple):
     """The workspace: its buffers as (name, dtype, shape, strides, byte offset), and its
-    size in bytes.  Buffers may overlap (the two column halves of ``h``)."""
+    size in bytes."""
 
     buffers: list
     nbytes: int
@@ -74,10 +74,9 @@ class Layout(NamedTuple):
 
 
 def _layout(T: int, k: int, E: int, H: int, I: int, bk: int, dtype: torch.dtype, static_gate_up: bool,
-            static_down: bool, split_h: bool) -> Layout:
+            static_down: bool) -> Layout:
     """The forward's intermediate buffers; ``perm`` / ``offsets`` only where the
-    one-launch sort runs (S <= 2048); ``h_gate`` / ``h_up``, the halves of h that
-    separate gate and up GEMMs write, where ``split_h``."""
+    one-launch sort runs (S <= 2048)."""
     S = T * k
     bufs = [("perm", torch.int32, (S,)), ("offsets", torch.int32, (E,))] if S <= MAX_SLOTS else []
     bufs.append(("q", torch.float8_e4m3fn, (S if static_gate_up else T, H)))
@@ -91,8 +90,6 @@ def _layout(T: int, k: int, E: int, H: int, I: int, bk: int, dtype: torch.dtype,
     for name, dt, shape in bufs:
         strides = (shape[1], 1) if len(shape) == 2 else (1,)
         buffers.append((name, dt, shape, strides, offset))
-        if name == "h" and split_h:
-            buffers += [("h_gate", dt, (S, I), (2 * I, 1), offset), ("h_up", dt, (S, I), (2 * I, 1), offset + I * dt.itemsize)]
         offset += cdiv(math.prod(shape) * dt.itemsize, _ALIGN) * _ALIGN
     return Layout(buffers, offset)
 
@@ -114,11 +111,11 @@ def _sort_quant_call(ids, perm, offsets, E: int, x, q, q_scale, bk: int) -> Kern
     ), dict(BLOCK=block, NB=bins, NUM_BLOCKS=nb, GROUP=bk, BLOCK_R=block_r, BLOCK_G=block_g), {})
 
 
-def _calls(env: dict, E: int, I: int, block: tuple[int, int], activation: str, swiglu_limit, gate_up: list,
+def _calls(env: dict, E: int, I: int, block: tuple[int, int], activation: str, swiglu_limit, gate_up: tuple,
            down: tuple) -> list[KernelCall]:
     """The forward's launches over the tensors of ``env`` (the op's routing tensors and
-    act scales, ``out``, and the buffers of :func:`_layout`).  ``gate_up``: one or two
-    (w, w_scale, name of the output buffer, config_n) GEMMs; ``down``: (w, w_scale)."""
+    act scales, ``out``, and the buffers of :func:`_layout`).  ``gate_up`` / ``down``:
+    the GEMMs' (w, w_scale), as :func:`.moe._gemm_call` takes them."""
     bk = block[1]
     hidden, ids = env["hidden"], env["top_k_index"]
     T = hidden.shape[0]
@@ -141,8 +138,7 @@ def _calls(env: dict, E: int, I: int, block: tuple[int, int], activation: str, s
         calls = [_sort_call(ids, perm, offsets, E)] if S <= MAX_SLOTS else []
         calls.append(_quant_call(hidden, q, q_scale, S, bk, perm=perm, offsets=offsets, static=True, topk=k))
         gemm = dict(offsets=offsets, static=True)
-    for w, w_scale, out, config_n in gate_up:
-        calls.append(_gemm_call(q, q_scale, w, w_scale, block, env[out], config_n=config_n, **gemm))
+    calls.append(_gemm_call(q, q_scale, *gate_up, block, h, **gemm))
 
     # act(gate) * up, rounded, quantised for the down projection
     a_q = env["a_q"]
@@ -162,7 +158,7 @@ def _calls(env: dict, E: int, I: int, block: tuple[int, int], activation: str, s
     return [c for c in calls if c is not None]
 
 
-def experts_forward(sources: dict, E: int, I: int, block: tuple[int, int], gate_up: list, down: tuple,
+def experts_forward(sources: dict, E: int, I: int, block: tuple[int, int], gate_up: tuple, down: tuple,
                     activation: str, swiglu_limit) -> tuple[torch.Tensor, dict, Layout, list[KernelCall]]:
     """Runs the forward whatever holds the weights.  ``sources`` (name -> tensor or None,
     one object per name: :func:`_distinct`): :func:`routing_sources` and the tensors the
@@ -175,7 +171,7 @@ def experts_forward(sources: dict, E: int, I: int, block: tuple[int, int], gate_
         return out, {}, Layout([], 0), []
     k = top_k_index.shape[1]
     layout = _layout(T, k, E, H, I, block[1], hidden.dtype, sources["gate_up_act_scale"] is not None,
-                     sources["down_act_scale"] is not None, any(spec[2] != "h" for spec in gate_up))
+                     sources["down_act_scale"] is not None)
     ws = torch.empty(layout.nbytes, dtype=torch.uint8, device=hidden.device)
     env = dict(sources, out=out)
     env.update(zip((name for name, *_ in layout.buffers), layout.views(ws)))
@@ -217,7 +213,7 @@ def _stacked(args: tuple, sources: dict) -> tuple:
     E, two_i, _ = args[3].shape
     return experts_forward(
         sources, E, two_i // 2, _block(args[7]),
-        [(sources["gate_up_proj"], sources["gate_up_scale_inv"], "h", None)],
+        (sources["gate_up_proj"], sources["gate_up_scale_inv"]),
         (sources["down_proj"], sources["down_scale_inv"]), args[8], args[11])
 
 

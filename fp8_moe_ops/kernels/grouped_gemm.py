@@ -22,6 +22,10 @@ row is written.
 experts) and ``w_ptr`` / ``ws_ptr`` point to (E,) int64 tables of their addresses
 (:mod:`.moe_list`); expert e's tile reads its base address from the table, and the
 arithmetic is otherwise the same, so the results equal the stacked weights' bitwise.
+With ``W_SPLIT`` the table holds 2E (N, K) matrices, every expert's gate then every
+expert's up, and ``out`` has 2N columns: a column tile reads the gate (first half of
+the tiles) or the up matrix (second half) and writes its half of ``out``, so separate
+gate and up weights take one launch, computed exactly as the fused (2N, K) matrix is.
 """
 
 from __future__ import annotations
@@ -64,10 +68,12 @@ def _grouped_gemm_kernel(
     GATHER_A: tl.constexpr, SCATTER_OUT: tl.constexpr, STATIC: tl.constexpr,
     SCALE_E8M0: tl.constexpr, HAS_OFFSETS: tl.constexpr, W_SCALE_PER_TILE: tl.constexpr,
     W_TABLE: tl.constexpr, W_ALIGN: tl.constexpr,  # W_ALIGN: bytes every table address is a multiple of
+    W_SPLIT: tl.constexpr,  # W_TABLE of 2E (N, K) gates then ups -> out (rows, 2N)
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EP: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    num_pid_n = tl.cdiv(N, BN)
+    tiles_n = tl.cdiv(N, BN)
+    num_pid_n = 2 * tiles_n if W_SPLIT else tiles_n
     # grouped ordering: GROUP_M row tiles share each weight tile while it is in L2
     per_group = GROUP_M * num_pid_n
     first_m = (pid // per_group) * GROUP_M
@@ -88,8 +94,15 @@ def _grouped_gemm_kernel(
         total = tl.cdiv(S, BM)
         last = S
 
-    offs_n = pid_n * BN + tl.arange(0, BN)
+    if W_SPLIT:
+        half = (pid_n >= tiles_n).to(tl.int32)  # 0: gate, 1: up
+        n0 = (pid_n - half * tiles_n) * BN
+    else:
+        half = 0
+        n0 = pid_n * BN
+    offs_n = n0 + tl.arange(0, BN)  # rows of the weight matrix
     nmask = offs_n < N
+    out_n = offs_n + half * N  # columns of out
     if pid_m >= total:
         # tail: rows past offsets[-1] belong to no expert; write them as zeros
         row0 = last + (pid_m - total) * BM
@@ -101,7 +114,7 @@ def _grouped_gemm_kernel(
             else:
                 orow = rows
             zero = tl.zeros((BM, BN), dtype=out_ptr.dtype.element_ty)
-            tl.store(out_ptr + orow.to(tl.int64)[:, None] * stride_om + offs_n[None, :], zero,
+            tl.store(out_ptr + orow.to(tl.int64)[:, None] * stride_om + out_n[None, :], zero,
                      mask=rmask[:, None] & nmask[None, :])
         return
 
@@ -122,6 +135,8 @@ def _grouped_gemm_kernel(
         arow = rows
     arow = arow.to(tl.int64)
     e64 = e.to(tl.int64)
+    if W_SPLIT:
+        e64 += half * E  # the up matrices follow the gates in the table
 
     offs_k = tl.arange(0, BK)
     a_ptrs = a_ptr + arow[:, None] * stride_am + offs_k[None, :]
@@ -138,7 +153,7 @@ def _grouped_gemm_kernel(
         ws_base = ws_ptr + e64 * stride_wse
     w_ptrs = w_base + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :]
     if W_SCALE_PER_TILE:
-        ws_row = ws_base + (pid_n * BN // BN_SCALE) * stride_wsn
+        ws_row = ws_base + (n0 // BN_SCALE) * stride_wsn
     else:
         ws_row = ws_base + (offs_n // BN_SCALE) * stride_wsn
     if STATIC:
@@ -171,20 +186,23 @@ def _grouped_gemm_kernel(
         orow = tl.load(perm_ptr + rows, mask=rmask, other=0)
     else:
         orow = rows
-    tl.store(out_ptr + orow.to(tl.int64)[:, None] * stride_om + offs_n[None, :],
+    tl.store(out_ptr + orow.to(tl.int64)[:, None] * stride_om + out_n[None, :],
              round_to(acc, out_ptr.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])
 
 
 class WeightTable(NamedTuple):
-    """E per-expert (N, K) e4m3 matrices read where they are (``W_TABLE``)."""
+    """E per-expert (N, K) e4m3 matrices read where they are (``W_TABLE``), or with
+    ``split`` 2E: each expert's gate and up, written to the two column halves of the
+    output (``W_SPLIT``)."""
 
-    w: torch.Tensor  # (E,) int64 device addresses of the matrices
-    scale: torch.Tensor  # (E,) int64 device addresses of their scale grids
+    w: torch.Tensor  # (E,) or split (2E,) int64 device addresses of the matrices
+    scale: torch.Tensor  # likewise, the addresses of their scale grids
     shape: tuple  # (E, N, K)
     scale_rows: int  # rows of each grid (1: one scale per matrix or one block of rows)
     scale_strides: tuple  # (row, column) strides of each grid, 0 for a size-1 dim
     scale_e8m0: bool  # UE8M0 grids (read as bytes), else float32
     align: int  # every weight address is a multiple of this many bytes (16, or 1)
+    split: bool  # gate and up matrices -> (rows, 2N)
 
 
 def max_row_tiles(S: int, E: int, BM: int, has_offsets: bool) -> int:

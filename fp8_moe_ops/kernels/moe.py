@@ -102,24 +102,25 @@ def _scale_strides(scale: torch.Tensor) -> tuple[int, int, int]:
 
 
 def _gemm_call(q, q_scale, w, w_scale, block, out, *, offsets=None, perm=None, gather_a=False, scatter_out=False,
-               static=False, topk=1, config_n=None) -> KernelCall | None:
+               static=False, topk=1) -> KernelCall | None:
     """The launch of ``out[rows] = q[rows] @ dequant(w[expert])^T`` over the
     expert-sorted rows (None when there are none).
 
     ``w`` is the stacked (E, N, K) tensor with its grid ``w_scale`` (float32, or UE8M0
     as ``float8_e8m0fnu`` or its ``uint8`` bytes), or a :class:`WeightTable`
-    (``w_scale`` None); ``config_n`` picks the launch config as for that N (a split
-    gate/up pair launches as the fused matrix would)."""
+    (``w_scale`` None).  A split table (gate and up, N rows each) launches as the fused
+    (2N, K) matrix would: same config, same tiles per row block."""
     S = out.shape[0]
     E, N, K = w.shape
     if S == 0:
         return None
     bn, bk = block
-    cfg = gemm_config(S, E, config_n or N, K)
+    table = isinstance(w, WeightTable)
+    split = table and w.split
+    cfg = gemm_config(S, E, 2 * N if split else N, K)
     BM, BN = cfg["BM"], cfg["BN"]
     num_pid_m = max_row_tiles(S, E, BM, offsets is not None)
-    grid = (num_pid_m * cdiv(N, BN),)
-    table = isinstance(w, WeightTable)
+    grid = (num_pid_m * cdiv(N, BN) * (2 if split else 1),)
     align = w.align if table else 16
     if table:
         ws_strides, one_scale_row, e8m0 = (0, *w.scale_strides), w.scale_rows == 1, w.scale_e8m0
@@ -138,7 +139,7 @@ def _gemm_call(q, q_scale, w, w_scale, block, out, *, offsets=None, perm=None, g
     ), dict(K=K, TOPK=topk, BN_SCALE=bn, BK_SCALE=bk,
             GATHER_A=gather_a, SCATTER_OUT=scatter_out, STATIC=static,
             SCALE_E8M0=e8m0, HAS_OFFSETS=offsets is not None,
-            W_SCALE_PER_TILE=bn % BN == 0 or one_scale_row, W_TABLE=table, W_ALIGN=align,
+            W_SCALE_PER_TILE=bn % BN == 0 or one_scale_row, W_TABLE=table, W_ALIGN=align, W_SPLIT=split,
             BM=BM, BN=BN, BK=block_k(bk), EP=_ep(E), GROUP_M=cfg["GROUP_M"]),
         dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
 

@@ -20,9 +20,10 @@ all a table holds, so:
   eager call before capturing, as one does anyway to warm up Triton; a replaced
   parameter needs a re-capture, as with any captured graph.
 
-Gate and up as separate lists (2E matrices: every gate, then every up) launch the
-gate_up GEMM twice, once per half of the (S, 2I) output, with the launch config of the
-fused (2I, H) matrix: each output element is computed exactly as with the stacked
+Gate and up as separate lists (2E matrices: every gate, then every up) are one
+gate_up launch over a split table (``W_SPLIT``): each column tile reads a gate or an up
+matrix and writes its half of the (S, 2I) output, with the launch config and tiles of
+the fused (2I, H) matrix.  Each output element is computed exactly as with the stacked
 weights, so the op equals ``grouped_experts`` on the stacked tensors bitwise.
 """
 
@@ -75,12 +76,12 @@ def _table(table: torch.Tensor, start: int, count: int) -> torch.Tensor:
     return table[start:start + count]
 
 
-def _weights(w: torch.Tensor, s: torch.Tensor, count: int, w0: torch.Tensor, s0: torch.Tensor,
-             aligned: bool) -> WeightTable:
+def _weights(w: torch.Tensor, s: torch.Tensor, E: int, w0: torch.Tensor, s0: torch.Tensor, aligned: bool,
+             split: bool) -> WeightTable:
     gn, gk = s0.shape
     sn, sk = s0.stride()
-    return WeightTable(w, s, (count, *w0.shape), gn, (0 if gn == 1 else sn, 0 if gk == 1 else sk),
-                       s0.dtype == torch.float8_e8m0fnu, 16 if aligned else 1)
+    return WeightTable(w, s, (E, *w0.shape), gn, (0 if gn == 1 else sn, 0 if gk == 1 else sk),
+                       s0.dtype == torch.float8_e8m0fnu, 16 if aligned else 1, split)
 
 
 _PLANS: dict = {}  # signature -> plan state (experts.planned)
@@ -105,24 +106,16 @@ def grouped_experts_list(hidden, top_k_index, top_k_weights, gate_up_proj, gate_
     I = down_proj[0].shape[1]
     table, aligned = address_table((gate_up_proj, gate_up_scale_inv, down_proj, down_scale_inv), hidden.device)
     sources = routing_sources(hidden, top_k_index, top_k_weights, gate_up_act_scale, down_act_scale)
-    if G == E:
-        sources.update(gate_up_w=_table(table, 0, E), gate_up_s=_table(table, G, E))
-    else:
-        sources.update(gate_w=_table(table, 0, E), up_w=_table(table, E, E), gate_s=_table(table, G, E),
-                       up_s=_table(table, G + E, E))
-    sources.update(down_w=_table(table, 2 * G, E), down_s=_table(table, 2 * G + E, E))
+    sources.update(gate_up_w=_table(table, 0, G), gate_up_s=_table(table, G, G),
+                   down_w=_table(table, 2 * G, E), down_s=_table(table, 2 * G + E, E))
     key = (meta_key((hidden, top_k_index, top_k_weights, block_size, activation, gate_up_act_scale, down_act_scale,
                      swiglu_limit)), E, G, _layout(gate_up_proj[0], gate_up_scale_inv[0]),
            _layout(down_proj[0], down_scale_inv[0]), aligned)
     gu0, gus0 = gate_up_proj[0], gate_up_scale_inv[0]
 
     def forward():
-        if G == E:
-            gate_up = [(_weights(sources["gate_up_w"], sources["gate_up_s"], E, gu0, gus0, aligned), None, "h", None)]
-        else:
-            gate_up = [(_weights(sources["gate_w"], sources["gate_s"], E, gu0, gus0, aligned), None, "h_gate", 2 * I),
-                       (_weights(sources["up_w"], sources["up_s"], E, gu0, gus0, aligned), None, "h_up", 2 * I)]
-        down = (_weights(sources["down_w"], sources["down_s"], E, down_proj[0], down_scale_inv[0], aligned), None)
+        gate_up = (_weights(sources["gate_up_w"], sources["gate_up_s"], E, gu0, gus0, aligned, G != E), None)
+        down = (_weights(sources["down_w"], sources["down_s"], E, down_proj[0], down_scale_inv[0], aligned, False), None)
         return experts_forward(sources, E, I, block, gate_up, down, activation, swiglu_limit)
 
     return planned(_PLANS, key, sources, hidden, forward)
