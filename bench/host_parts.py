@@ -58,7 +58,7 @@ def parts(model_name: str) -> dict:
     ids, weights = idx.contiguous(), wts.contiguous()
     grid, kp, block_h = combine_launch_shape(T, H, k)
     constexprs = dict(TOPK=k, KP=kp, BLOCK_H=block_h)
-    args = (y, ids, weights, out, H, model.E)
+    args = (y, ids, weights, out, T, H, model.E)
     cached = Launch(_combine_kernel, grid, constexprs, enable_fp_fusion=False)
     cached(*args)  # compiles
     run, function, metadata, _ = cached.compiled()

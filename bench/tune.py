@@ -39,7 +39,8 @@ def forced(candidate, fn) -> dict:
     """Graph time of ``fn`` with ``candidate`` on every grouped GEMM (the table restored after)."""
     bm, bn, nw, ns = candidate
     default = moe.gemm_config
-    moe.gemm_config = lambda S, E, N, K: {"BM": bm, "BN": bn, "GROUP_M": 8, "num_warps": nw, "num_stages": ns}
+    moe.gemm_config = lambda S, E, N, K, split_k=False: {"BM": bm, "BN": bn, "GROUP_M": 8, "num_warps": nw,
+                                                         "num_stages": ns}
     try:
         return {"graph_ms": graph_ms(fn)}
     finally:

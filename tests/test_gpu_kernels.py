@@ -231,9 +231,25 @@ def test_experts_match_cpu(case, combo):
 # --------------------------------------------------------------------------- CUDA graphs
 
 
+@pytest.mark.parametrize("T,split", [(64, 1), (4, 1), (4, 2)],
+                         ids=["combine_kernel", "fused_combine", "fused_combine_split_k"])
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
-def test_cuda_graph_replay_with_new_routing_equals_eager(static):
-    T, E, H, I, k = 64, 16, 512, 256, 4
+def test_cuda_graph_replay_with_new_routing_equals_eager(static, T, split, monkeypatch):
+    # T=4 (16 slots): the combine runs in the down GEMM's launch, its counters zeroed by
+    # the sort on every replay; split: the down GEMM's K in two ranges (another H: the
+    # op's plan of a signature is recorded under the config of that call, and must not be
+    # one recorded in another case)
+    E, H, I, k = 16, 512 if split == 1 else 384, 256, 4
+    if split > 1:
+        real = moe.gemm_config
+
+        def forced(S, E, N, K, split_k=False):
+            cfg = real(S, E, N, K, split_k)
+            if split_k:
+                cfg["SPLIT"] = split
+            return cfg
+
+        monkeypatch.setattr(moe, "gemm_config", forced)
     args = {key: _cuda(v) for key, v in make_experts_inputs(T, E, H, I, k, [128, 128], static=static, seed=7).items()}
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())

@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from unittest import mock
 
 import pytest
 import torch
@@ -36,7 +37,7 @@ if INTERPRETED:
     import triton
 
     from fp8_moe_ops import kernels, reference
-    from fp8_moe_ops.kernels import moe
+    from fp8_moe_ops.kernels import experts, moe
     from fp8_moe_ops.kernels.grouped_gemm import _grouped_gemm_kernel
     from fp8_moe_ops.kernels.sort import _sort_quant_kernel
     from fp8_moe_ops.kernels.quant import expert_of_rows
@@ -254,7 +255,7 @@ _EXPERT_CASES = {
 
 
 def _experts_args(case, dtype, scale_dtype, static, per_tensor=False, seed=0):
-    T, E, H, I, k, block, kind = _EXPERT_CASES[case]
+    T, E, H, I, k, block, kind = _EXPERT_CASES[case] if isinstance(case, str) else case
     gen = torch.Generator().manual_seed(seed)
     gu, gus = _weights(gen, E, 2 * I, H, block, scale_dtype, per_tensor)
     dp, dps = _weights(gen, E, H, I, block, scale_dtype, per_tensor)
@@ -282,6 +283,11 @@ def _check_experts(args, kw):
     assert torch.equal(out[none], torch.zeros_like(out[none]))  # sentinel-only tokens: exactly 0
     batched = kernels.batched_experts(*args, **kw)
     assert torch.equal(batched, out)  # same machinery: bitwise
+    # the combine in the down GEMM's launch (these S are all <= COMBINE_SLOTS) and the
+    # standalone combine kernel (larger S) are the same arithmetic
+    assert args[1].numel() <= experts.COMBINE_SLOTS
+    with mock.patch.object(experts, "COMBINE_SLOTS", 0):
+        assert torch.equal(kernels.grouped_experts(*args, **kw), out)
     return out
 
 
@@ -311,6 +317,57 @@ def test_experts_int32_ids_and_bf16_weights():
     args[1] = args[1].to(torch.int32)
     args[2] = args[2].to(torch.bfloat16)
     _check_experts(args, kw)
+
+
+_SPLIT_CASES = {  # I = 88: 6 K steps of 16, the last one partial
+    "sentinels": (7, 5, 40, 88, 3, [16, 16], "sentinel"),
+    "empty_expert": (6, 4, 48, 88, 2, [16, 16], "empty"),
+    "T1": (1, 8, 40, 88, 2, [16, 16], "uniform"),
+}
+
+
+@pytest.mark.parametrize("split", [2, 4, 7])  # 7: one K step per range and an empty last range
+@pytest.mark.parametrize("case", list(_SPLIT_CASES))
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_experts_split_k_down(case, static, split, monkeypatch):
+    # the down GEMM's K in ranges (decode with few experts): float32 partials that the
+    # fused combine adds in order, then rounds
+    real = moe.gemm_config
+
+    def forced(S, E, N, K, split_k=False):
+        cfg = real(S, E, N, K, split_k)
+        if split_k:
+            cfg["SPLIT"] = split
+        return cfg
+
+    monkeypatch.setattr(moe, "gemm_config", forced)
+    args, kw = _experts_args(_SPLIT_CASES[case], torch.bfloat16, torch.float32, static, seed=split)
+    E, H, I = args[3].shape[0], args[0].shape[1], args[5].shape[2]
+    # the down scale grid inside NaN columns: a K step past I must not read a scale
+    dps = args[6]
+    padded = torch.full((*dps.shape[:2], dps.shape[2] + 4), float("nan"))
+    padded[..., :dps.shape[2]] = dps
+    args[6] = padded[..., :dps.shape[2]]
+    assert moe.down_split(args[1].numel(), E, H, I) == split
+    out = kernels.grouped_experts(*args, **kw)
+    assert rel_err(out, reference.grouped_experts(*args, **kw)) < 1e-2
+    idx = args[1]
+    none = ((idx < 0) | (idx >= E)).all(dim=1)
+    assert none.any() == (case == "sentinels") and torch.equal(out[none], torch.zeros_like(out[none]))
+    assert torch.equal(kernels.batched_experts(*args, **kw), out)
+    monkeypatch.setattr(moe, "gemm_config", real)
+    # one K range: the float32 sums differ in order only
+    assert rel_err(out, kernels.grouped_experts(*args, **kw)) < 1e-2
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_experts_every_slot_a_sentinel(static):
+    # no expert gets a row: the down GEMM has no row tile to count, and its first tail
+    # program writes the (all-zero) combine
+    args, kw = _experts_args("sentinels", torch.bfloat16, torch.float32, static, seed=4)
+    args[1] = torch.where(args[1] < 0, args[1], args[1] + 100)
+    out = kernels.grouped_experts(*args, **kw)
+    assert torch.equal(out, torch.zeros_like(out))
 
 
 def test_experts_empty_tokens():
@@ -552,7 +609,7 @@ def test_launch_cache_keys_on_argument_specialisation():
     launch._LAUNCHES.clear()
     out = kernels.grouped_experts(*args)
     first = dict(launch._LAUNCHES)
-    assert len(first) == 5  # sort + quantise, gate_up, activation, down, combine
+    assert len(first) == 4  # sort + quantise, gate_up, activation, down + combine (S <= COMBINE_SLOTS)
     assert torch.equal(kernels.grouped_experts(*args), out)
     assert launch._LAUNCHES.keys() == first.keys()
     hidden = args[0]

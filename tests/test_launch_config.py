@@ -46,6 +46,19 @@ def test_qwen_decode_narrows_both_gemms():
     assert gemm_config(8 * 4096, 128, 1536, 2048)["BN"] == 128  # prefill: unchanged
 
 
+def test_decode_down_with_fused_combine_splits_k_before_narrowing():
+    # mixtral T=1: 2 experts x 32 N tiles of 128; split K (14336) into 5 ranges -> 320 programs
+    cfg = gemm_config(2, 8, 4096, 14336, True)
+    assert (cfg["BN"], cfg["SPLIT"]) == (128, 5)
+    assert gemm_config(2, 8, 4096, 14336)["BN"] == 32 and "SPLIT" not in gemm_config(2, 8, 4096, 14336)
+    # qwen3 T=1: K = 768 is below one range of 1024: narrow as before
+    cfg = gemm_config(8, 128, 2048, 768, True)
+    assert (cfg["BN"], cfg["SPLIT"]) == (32, 1)
+    # deepseek_v3 T=1: 8 x 56 tiles are enough
+    assert gemm_config(8, 256, 7168, 2048, True)["SPLIT"] == 1
+    assert "SPLIT" not in gemm_config(8 * 4096, 8, 4096, 14336, True)  # prefill: no decode entry
+
+
 def test_tiny_problems_get_no_tile_wider_than_the_problem():
     cfg = gemm_config(3, 2, 24, 40)
     assert cfg["BM"] == 16 and cfg["BN"] == 32

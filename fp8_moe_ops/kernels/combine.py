@@ -1,10 +1,11 @@
-"""Deterministic weighted combine of the per-slot expert outputs (no atomics).
+"""Deterministic weighted combine of the per-slot expert outputs.
 
 out[t] = sum over token t's slots, in ascending expert id (ties by slot), of
 ``y[t*k + j].float() * w[t, j].float()``, sentinel slots adding 0.0, in float32,
 rounded once: :func:`fp8_moe_ops.reference.combine` term by term.  Launched with
 ``enable_fp_fusion=False`` so ``acc + y * w`` is not contracted into an FMA (the
-reference rounds the product first).
+reference rounds the product first).  :func:`combine_tokens` is also the combine that
+the down GEMM runs in its own launch at decode (``COMBINE`` in :mod:`.grouped_gemm`).
 """
 
 from __future__ import annotations
@@ -19,40 +20,67 @@ from .quant import round_to
 
 
 @triton.jit
+def combine_tokens(t0, T, cols, cmask, y_ptr, part_ptr, ids_ptr, w_ptr, out_ptr, H, E, TOPK: tl.constexpr,
+                   KP: tl.constexpr, TB: tl.constexpr, SPLIT: tl.constexpr):
+    """out[t, cols] for the tokens t0 .. t0+TB-1 below T: each token's slots' rows of y
+    (T*k, H), weighted and summed in ascending expert id (ties by slot).  With SPLIT > 1
+    a slot's y is its SPLIT float32 partials (T*k, SPLIT, H) added in order and rounded
+    to out's dtype.  Read past L1 (``.cg``): in the down GEMM's fused combine other
+    programs wrote them in this launch."""
+    t = tl.arange(0, TB).to(tl.int64) + t0
+    tm = t < T
+    j = tl.arange(0, KP)
+    jm = j < TOPK
+    ids = tl.load(ids_ptr + t[:, None] * TOPK + j[None, :], mask=tm[:, None] & jm[None, :], other=E)
+    valid = (ids >= 0) & (ids < E) & jm[None, :]
+    key = tl.where(valid, ids, E)
+    # stable rank of each slot by (key, slot): the reference's argsort(stable=True)
+    kj, ki = key[:, None, :], key[:, :, None]
+    before = (kj < ki) | ((kj == ki) & (j[None, None, :] < j[None, :, None]))
+    rank = tl.sum(before.to(tl.int32), axis=2)
+    acc = tl.zeros((TB, cols.shape[0]), dtype=tl.float32)
+    for r in tl.static_range(TOPK):
+        sel = rank == r
+        slot = tl.sum(tl.where(sel, j[None, :], 0), 1)
+        ok = (tl.sum(tl.where(sel & valid, 1, 0), 1) > 0) & tm
+        wt = tl.load(w_ptr + t * TOPK + slot, mask=tm, other=0.0).to(tl.float32)
+        mask = ok[:, None] & cmask[None, :]
+        if SPLIT > 1:
+            rows = ((t * TOPK + slot) * SPLIT)[:, None] * H + cols[None, :]
+            part = tl.zeros((TB, cols.shape[0]), dtype=tl.float32)
+            for s in tl.static_range(SPLIT):
+                part += tl.load(part_ptr + rows + s * H, mask=mask, other=0.0, cache_modifier=".cg")
+            yv = round_to(part, out_ptr.dtype.element_ty).to(tl.float32)
+        else:
+            yv = tl.load(y_ptr + (t * TOPK + slot)[:, None] * H + cols[None, :], mask=mask, other=0.0,
+                         cache_modifier=".cg").to(tl.float32)
+        acc += tl.where(ok[:, None], yv * wt[:, None], 0.0)
+    tl.store(out_ptr + t[:, None] * H + cols[None, :], round_to(acc, out_ptr.dtype.element_ty),
+             mask=tm[:, None] & cmask[None, :])
+
+
+@triton.jit
 def _combine_kernel(
     y_ptr,       # (T*k, H) activation dtype, slot order (row t*k + j); sentinel rows never read
     ids_ptr,     # (T, k) int expert ids, contiguous
     w_ptr,       # (T, k) float routing weights, contiguous
     out_ptr,     # (T, H)
-    H, E,
+    T, H, E,
     TOPK: tl.constexpr, KP: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
-    t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    cmask = cols < H
-    j = tl.arange(0, KP)
-    jm = j < TOPK
-    ids = tl.load(ids_ptr + t * TOPK + j, mask=jm, other=E)
-    valid = (ids >= 0) & (ids < E) & jm
-    key = tl.where(valid, ids, E)
-    # stable rank of each slot by (key, slot): the reference's argsort(stable=True)
-    before = (key[None, :] < key[:, None]) | ((key[None, :] == key[:, None]) & (j[None, :] < j[:, None]))
-    rank = tl.sum(before.to(tl.int32), axis=1)
-    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    for r in tl.static_range(TOPK):
-        sel = rank == r
-        slot = tl.sum(tl.where(sel, j, 0), 0)
-        ok = tl.sum(tl.where(sel & valid, 1, 0), 0) > 0
-        wt = tl.load(w_ptr + t * TOPK + slot).to(tl.float32)
-        yv = tl.load(y_ptr + (t * TOPK + slot) * H + cols, mask=cmask & ok, other=0.0).to(tl.float32)
-        acc += tl.where(ok, yv * wt, 0.0)
-    tl.store(out_ptr + t * H + cols, round_to(acc, out_ptr.dtype.element_ty), mask=cmask)
+    combine_tokens(tl.program_id(0), T, cols, cols < H, y_ptr, y_ptr, ids_ptr, w_ptr, out_ptr, H, E, TOPK, KP, 1, 1)
+
+
+def slots_block(topk: int) -> int:
+    """KP: the power of two (>= 2) the kernels pad a token's k slots to."""
+    return next_power_of_2(max(topk, 2))
 
 
 def combine_launch_shape(T: int, H: int, topk: int) -> tuple[tuple[int, int], int, int]:
     """(grid, KP, BLOCK_H)."""
     block_h = min(1024, next_power_of_2(H))
-    return (T, cdiv(H, block_h)), next_power_of_2(max(topk, 2)), block_h
+    return (T, cdiv(H, block_h)), slots_block(topk), block_h
 
 
 def combine_call(y: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, num_experts: int,
@@ -61,7 +89,7 @@ def combine_call(y: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torc
     T, k = top_k_index.shape
     H = y.shape[1]
     grid, kp, block_h = combine_launch_shape(T, H, k)
-    return KernelCall(_combine_kernel, grid, (y, top_k_index, top_k_weights, out, H, num_experts),
+    return KernelCall(_combine_kernel, grid, (y, top_k_index, top_k_weights, out, T, H, num_experts),
                       dict(TOPK=k, KP=kp, BLOCK_H=block_h), dict(enable_fp_fusion=False))
 
 

@@ -6,7 +6,10 @@ the default list for one weight shape.  An entry's optional ``min_programs`` hal
 ``BN`` (not below 32) while fewer (expert, N tile) programs than that would run: at
 decode a layer's few active experts otherwise stream their weights through a fraction
 of the SMs (264 in the table: two per SM of the H200's 132; a GPU with many more SMs
-would want its own table).  The table was written from the sweep of
+would want its own table).  For the down GEMM with the combine in its launch
+(``split_k``) such an entry splits K into up to ``K / 1024`` ranges (``SPLIT``) where
+narrowing alone would go to 32-column tiles: programs of the full ``BN`` stream wider
+weight tiles.  ``BN`` then narrows if that is not enough.  The table was written from the sweep of
 ``bench/tune.py`` on an H200 (winners per bucket, by hand: see docs/benchmarks.md);
 other GPUs use the same table.
 """
@@ -33,8 +36,12 @@ def block_k(bk: int) -> int:
     return min(step, 128)
 
 
-def gemm_config(S: int, E: int, N: int, K: int) -> dict:
-    """Launch config for S sorted rows over E experts and an (N, K) weight."""
+MIN_SPLIT_K = 1024  # K per range of a split-K launch, at least
+
+
+def gemm_config(S: int, E: int, N: int, K: int, split_k: bool = False) -> dict:
+    """Launch config for S sorted rows over E experts and an (N, K) weight; with
+    ``split_k`` it may hold ``SPLIT`` > 1 (K ranges; absent means 1)."""
     rows = S / max(1, min(E, S))
     table = _table()
     entries = table["shapes"].get(f"{N},{K}", table["default"])
@@ -49,6 +56,13 @@ def gemm_config(S: int, E: int, N: int, K: int) -> dict:
     cfg["BN"] = max(16, min(cfg["BN"], next_power_of_2(N)))
     if min_programs is not None:
         groups = max(1, min(E, S))  # at most this many experts have rows
-        while cfg["BN"] > 32 and groups * cdiv(N, cfg["BN"]) < min_programs:
+        split = 1
+        if split_k and groups * cdiv(N, 64) < min_programs:
+            # narrowing would go to 32-column tiles, which stream their 4 KB per K step at
+            # about half the rate of 128-wide ones (mixtral_8x7b's down GEMM at T=1)
+            split = max(1, min(cdiv(min_programs, groups * cdiv(N, cfg["BN"])), K // MIN_SPLIT_K))
+        if split_k:
+            cfg["SPLIT"] = split
+        while cfg["BN"] > 32 and groups * cdiv(N, cfg["BN"]) * split < min_programs:
             cfg["BN"] //= 2
     return cfg

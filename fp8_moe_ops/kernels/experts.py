@@ -10,8 +10,11 @@ Layout of the forward (S = T * k slots, slot ``t*k + j`` is token t's j-th choic
    the sorted rows with their expert's scale;
 3. gate_up GEMM, A rows gathered by ``perm // k`` -> h (S, 2I) in sorted order;
 4. gated activation + quantisation -> (S, I) fp8;
-5. down GEMM, output rows scattered by ``perm`` -> y (S, H) in slot order;
-6. combine: per token, in ascending expert id, float32 -> (T, H).
+5. down GEMM, output rows scattered by ``perm`` -> y (S, H) in slot order (at decode
+   with few experts in K ranges summed into float32 partials: :mod:`.config`);
+6. combine: per token, in ascending expert id, float32 -> (T, H); for S <= 64
+   (``COMBINE_SLOTS``: decode) in the down GEMM's launch, by the last row tile to
+   finish each column tile (:mod:`.grouped_gemm`), with counters the sort zeroes.
 
 Sentinel slots (ids outside [0, E)) are sorted last, never computed, and skipped by
 the combine.  ``batched_experts`` sorts internally and shares this path, so grouped
@@ -48,13 +51,16 @@ from ..functional import cdiv
 from .activation import ACT_IDS, _gated_act_quant_kernel
 from .combine import combine_call
 from .launch import KernelCall, cached, launch
-from .moe import _block, _flat, _gemm_call, _quant_call, _sort_call
+from .moe import _block, _counter_args, _flat, _gemm_call, _quant_call, _sort_call, down_split
 from .quant import quant_launch_shape
 from .sort import MAX_SLOTS, _sort_quant_kernel, sort_launch_shape
 
 __all__ = ["grouped_experts", "batched_experts", "experts_forward", "planned", "planned_experts", "ExpertsPlan"]
 
 _ALIGN = 256  # bytes from one workspace buffer to the next (the kernels need 16)
+# at most this many slots: the combine runs in the down GEMM's launch (the last program of a
+# column tile combines all T tokens' slots there, so its share grows with S)
+COMBINE_SLOTS = 64
 
 # the experts ops' arguments, in schema order
 ARG_NAMES = ("hidden", "top_k_index", "top_k_weights", "gate_up_proj", "gate_up_scale_inv", "down_proj",
@@ -79,6 +85,11 @@ def _layout(T: int, k: int, E: int, H: int, I: int, bk: int, dtype: torch.dtype,
     one-launch sort runs (S <= 2048)."""
     S = T * k
     bufs = [("perm", torch.int32, (S,)), ("offsets", torch.int32, (E,))] if S <= MAX_SLOTS else []
+    if S <= COMBINE_SLOTS:
+        bufs.append(("counters", torch.int32, (cdiv(H, 16),)))  # one per down column tile (BN >= 16)
+        split = down_split(S, E, H, I)
+        if split > 1:
+            bufs.append(("partials", torch.float32, (S, split, H)))
     bufs.append(("q", torch.float8_e4m3fn, (S if static_gate_up else T, H)))
     if not static_gate_up:
         bufs.append(("q_scale", torch.float32, (T, cdiv(H, bk))))
@@ -88,7 +99,7 @@ def _layout(T: int, k: int, E: int, H: int, I: int, bk: int, dtype: torch.dtype,
     bufs.append(("y", dtype, (S, H)))
     buffers, offset = [], 0
     for name, dt, shape in bufs:
-        strides = (shape[1], 1) if len(shape) == 2 else (1,)
+        strides = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))  # contiguous
         buffers.append((name, dt, shape, strides, offset))
         offset += cdiv(math.prod(shape) * dt.itemsize, _ALIGN) * _ALIGN
     return Layout(buffers, offset)
@@ -100,15 +111,18 @@ def routing_sources(hidden, top_k_index, top_k_weights, gate_up_act_scale, down_
                 gate_up_act_scale=_flat(gate_up_act_scale), down_act_scale=_flat(down_act_scale))
 
 
-def _sort_quant_call(ids, perm, offsets, E: int, x, q, q_scale, bk: int) -> KernelCall:
-    """The one-launch sort of the slots and the dynamic quantisation of x (T, H), together."""
+def _sort_quant_call(ids, perm, offsets, counters, E: int, x, q, q_scale, bk: int) -> KernelCall:
+    """The one-launch sort of the slots (zeroing ``counters`` if given) and the dynamic
+    quantisation of x (T, H), together."""
     (sort_programs,), block, bins, nb = sort_launch_shape(ids.numel(), E)
     T, H = x.shape
     (row_blocks, groups), block_r, block_g = quant_launch_shape(T, H, bk)
+    cnt, cnt_block = _counter_args(counters, offsets)
     return KernelCall(_sort_quant_kernel, (sort_programs + row_blocks * groups,), (
-        ids, perm, offsets, ids.numel(), E, sort_programs,
+        ids, perm, offsets, *cnt, ids.numel(), E, sort_programs,
         x, x.stride(0), x.stride(1), q, q_scale, T, H, groups,
-    ), dict(BLOCK=block, NB=bins, NUM_BLOCKS=nb, GROUP=bk, BLOCK_R=block_r, BLOCK_G=block_g), {})
+    ), dict(BLOCK=block, NB=bins, NUM_BLOCKS=nb, CNT_BLOCK=cnt_block, GROUP=bk, BLOCK_R=block_r,
+            BLOCK_G=block_g), {})
 
 
 def _calls(env: dict, E: int, I: int, block: tuple[int, int], activation: str, swiglu_limit, gate_up: tuple,
@@ -122,6 +136,7 @@ def _calls(env: dict, E: int, I: int, block: tuple[int, int], activation: str, s
     k = ids.shape[1]
     S = T * k
     perm, offsets, h, y = env["perm"], env["offsets"], env["h"], env["y"]
+    counters = env.get("counters")  # the combine runs in the down GEMM's launch
     gate_up_act_scale, down_act_scale = env["gate_up_act_scale"], env["down_act_scale"]
     # gate_up: h (S, 2I) in sorted order, from x quantised per token (dynamic: in the
     # sort's launch) or the sorted rows quantised with their expert's scale (static)
@@ -129,13 +144,13 @@ def _calls(env: dict, E: int, I: int, block: tuple[int, int], activation: str, s
     if gate_up_act_scale is None:
         q_scale = env["q_scale"]
         if S <= MAX_SLOTS:
-            calls = [_sort_quant_call(ids, perm, offsets, E, hidden, q, q_scale, bk)]
+            calls = [_sort_quant_call(ids, perm, offsets, counters, E, hidden, q, q_scale, bk)]
         else:
             calls = [_quant_call(hidden, q, q_scale, T, bk)]
         gemm = dict(offsets=offsets, perm=perm, gather_a=True, topk=k)
     else:
         q_scale = gate_up_act_scale
-        calls = [_sort_call(ids, perm, offsets, E)] if S <= MAX_SLOTS else []
+        calls = [_sort_call(ids, perm, offsets, E, counters)] if S <= MAX_SLOTS else []
         calls.append(_quant_call(hidden, q, q_scale, S, bk, perm=perm, offsets=offsets, static=True, topk=k))
         gemm = dict(offsets=offsets, static=True)
     calls.append(_gemm_call(q, q_scale, *gate_up, block, h, **gemm))
@@ -151,10 +166,14 @@ def _calls(env: dict, E: int, I: int, block: tuple[int, int], activation: str, s
             GROUP=bk, BLOCK_R=block_r, BLOCK_G=block_g, SEARCH_STEPS=E.bit_length()),
         dict(enable_fp_fusion=False)))
 
-    # down: y (S, H) back in slot order; sentinel slots' rows are left unwritten
+    # down: y (S, H) back in slot order (sentinel slots' rows are zero or unwritten, and
+    # never read), then the combine, in the same launch where there are counters
+    weights, out = env["top_k_weights"], env["out"]
+    fused = (ids, weights, out, counters, env.get("partials")) if counters is not None else None
     calls.append(_gemm_call(a_q, a_s, *down, block, y, offsets=offsets, perm=perm, scatter_out=True,
-                            static=down_act_scale is not None))
-    calls.append(combine_call(y, ids, env["top_k_weights"], E, env["out"]))
+                            static=down_act_scale is not None, combine=fused))
+    if fused is None:
+        calls.append(combine_call(y, ids, weights, E, out))
     return [c for c in calls if c is not None]
 
 

@@ -26,6 +26,21 @@ With ``W_SPLIT`` the table holds 2E (N, K) matrices, every expert's gate then ev
 expert's up, and ``out`` has 2N columns: a column tile reads the gate (first half of
 the tiles) or the up matrix (second half) and writes its half of ``out``, so separate
 gate and up weights take one launch, computed exactly as the fused (2N, K) matrix is.
+
+``COMBINE`` (the down GEMM at decode, :mod:`.experts`): the kernel also does the
+weighted combine of :mod:`.combine`, one launch fewer.  ``out`` is the (S, N) slot-order
+y, as without it; each row tile, once its rows of a column tile are stored, adds one to
+that column tile's counter (``counter_ptr``, zeroed by the sort kernel earlier in the
+forward), and the program that brings it to the number of row tiles combines the
+column tile for all T (<= ``TB``) tokens into ``final_ptr`` (T, N).  The atomic is
+acquire/release at GPU scope after a CTA barrier, so the last program sees every row
+tile's stores; which program is last does not change a result.  Launched without FMA
+contraction (as the combine kernel), so the combine rounds each product as the reference
+does; the K loop's rescale is then a multiply and an add rather than one FMA.
+With ``SPLIT`` > 1 (decode, where too few (expert, column tile) programs would stream
+the weights: :func:`.config.gemm_config`) each program sums one of SPLIT ranges of K
+into float32 partials (S, SPLIT, N), every row tile and range counts, and the combine
+adds a slot's partials in range order and rounds that to y's dtype first.
 """
 
 from __future__ import annotations
@@ -37,6 +52,7 @@ import triton
 import triton.language as tl
 
 from ..functional import cdiv
+from .combine import combine_tokens
 from .quant import round_to
 
 
@@ -62,6 +78,8 @@ def _grouped_gemm_kernel(
     out_ptr, stride_om,                      # out (rows, N)
     perm_ptr,                                # (S,) sorted position -> slot (GATHER_A / SCATTER_OUT)
     offsets_ptr,                             # (E,) int32 inclusive cumsum of rows per expert
+    ids_ptr, tw_ptr, final_ptr, counter_ptr, T,  # COMBINE: (T, k) ids and weights, (T, N) output, counters
+    part_ptr,                                # SPLIT > 1: (S, SPLIT, N) float32 partial sums
     S, N, E, num_pid_m,
     K: tl.constexpr,  # constexpr: static trip count (and the interpreter cannot loop to a runtime int)
     TOPK: tl.constexpr, BN_SCALE: tl.constexpr, BK_SCALE: tl.constexpr,
@@ -69,11 +87,18 @@ def _grouped_gemm_kernel(
     SCALE_E8M0: tl.constexpr, HAS_OFFSETS: tl.constexpr, W_SCALE_PER_TILE: tl.constexpr,
     W_TABLE: tl.constexpr, W_ALIGN: tl.constexpr,  # W_ALIGN: bytes every table address is a multiple of
     W_SPLIT: tl.constexpr,  # W_TABLE of 2E (N, K) gates then ups -> out (rows, 2N)
+    COMBINE: tl.constexpr, TB: tl.constexpr, KP: tl.constexpr,  # the fused combine (module doc)
+    SPLIT: tl.constexpr, KS: tl.constexpr,  # split K (COMBINE only): SPLIT ranges of KS (a multiple of BK)
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EP: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     pid = tl.program_id(0)
     tiles_n = tl.cdiv(N, BN)
     num_pid_n = 2 * tiles_n if W_SPLIT else tiles_n
+    if SPLIT > 1:
+        pid_s = pid // (num_pid_m * num_pid_n)  # the K range
+        pid = pid % (num_pid_m * num_pid_n)
+    else:
+        pid_s = 0
     # grouped ordering: GROUP_M row tiles share each weight tile while it is in L2
     per_group = GROUP_M * num_pid_n
     first_m = (pid // per_group) * GROUP_M
@@ -106,7 +131,7 @@ def _grouped_gemm_kernel(
     if pid_m >= total:
         # tail: rows past offsets[-1] belong to no expert; write them as zeros
         row0 = last + (pid_m - total) * BM
-        if row0 < S:
+        if (row0 < S) & (pid_s == 0):
             rows = row0 + tl.arange(0, BM)
             rmask = rows < S
             if SCATTER_OUT:
@@ -116,6 +141,10 @@ def _grouped_gemm_kernel(
             zero = tl.zeros((BM, BN), dtype=out_ptr.dtype.element_ty)
             tl.store(out_ptr + orow.to(tl.int64)[:, None] * stride_om + out_n[None, :], zero,
                      mask=rmask[:, None] & nmask[None, :])
+        if COMBINE:
+            if (total == 0) & (pid_m == 0) & (pid_s == 0):  # no rows at all: the combine of nothing
+                combine_tokens(0, T, out_n, nmask, out_ptr, part_ptr, ids_ptr, tw_ptr, final_ptr, N, E, TOPK, KP, TB,
+                               SPLIT)
         return
 
     if HAS_OFFSETS:
@@ -158,12 +187,24 @@ def _grouped_gemm_kernel(
         ws_row = ws_base + (offs_n // BN_SCALE) * stride_wsn
     if STATIC:
         a_s = tl.load(a_scale_ptr + e)
+    if SPLIT > 1:
+        k_lo = pid_s * KS
+        a_ptrs += k_lo
+        w_ptrs += k_lo
+    else:
+        k_lo = 0
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in range(0, K, BK):
+    for kk in range(0, KS, BK):
+        k0 = k_lo + kk
         kmask = (k0 + offs_k) < K
         a = tl.load(a_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=nmask[:, None] & kmask[None, :], other=0.0)
-        kg = k0 // BK_SCALE
+        if SPLIT > 1:
+            # the last range may run whole steps past K: their dot is 0, and their scales
+            # are read in bounds (a scale past the grid could be NaN, and 0 * NaN is NaN)
+            kg = tl.minimum(k0, K - 1) // BK_SCALE
+        else:
+            kg = k0 // BK_SCALE
         if W_SCALE_PER_TILE:
             w_s = load_weight_scale(ws_row, kg * stride_wsk, True, SCALE_E8M0)  # scalar
             if STATIC:
@@ -186,8 +227,21 @@ def _grouped_gemm_kernel(
         orow = tl.load(perm_ptr + rows, mask=rmask, other=0)
     else:
         orow = rows
-    tl.store(out_ptr + orow.to(tl.int64)[:, None] * stride_om + out_n[None, :],
-             round_to(acc, out_ptr.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])
+    if SPLIT > 1:  # this K range's float32 sum; the combine adds the ranges in order
+        prow = orow.to(tl.int64) * SPLIT + pid_s
+        tl.store(part_ptr + prow[:, None] * N + out_n[None, :], acc, mask=rmask[:, None] & nmask[None, :])
+    else:
+        tl.store(out_ptr + orow.to(tl.int64)[:, None] * stride_om + out_n[None, :],
+                 round_to(acc, out_ptr.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])
+    if COMBINE:
+        # every row tile counts itself once its rows of this column tile are stored; the
+        # last one (release/acquire through the counter) combines the tile's columns
+        tl.debug_barrier()
+        done = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if done == total * SPLIT - 1:
+            tl.debug_barrier()
+            combine_tokens(0, T, out_n, nmask, out_ptr, part_ptr, ids_ptr, tw_ptr, final_ptr, N, E, TOPK, KP, TB,
+                           SPLIT)
 
 
 class WeightTable(NamedTuple):

@@ -16,6 +16,7 @@ import torch
 
 from .. import routing
 from ..functional import cdiv, next_power_of_2
+from .combine import slots_block
 from .config import block_k, gemm_config
 from .grouped_gemm import WeightTable, _grouped_gemm_kernel, max_row_tiles
 from .launch import KernelCall, launch
@@ -44,12 +45,22 @@ def _ep(E: int) -> int:
     return max(2, next_power_of_2(E))
 
 
-def _sort_call(ids: torch.Tensor, perm: torch.Tensor, offsets: torch.Tensor, E: int) -> KernelCall:
+def _counter_args(counters: torch.Tensor | None, dummy: torch.Tensor) -> tuple[tuple, int]:
+    """The sort's (pointer, count) arguments and CNT_BLOCK for the counters it zeroes."""
+    if counters is None:
+        return (dummy, 0), 0
+    return (counters, counters.numel()), next_power_of_2(counters.numel())
+
+
+def _sort_call(ids: torch.Tensor, perm: torch.Tensor, offsets: torch.Tensor, E: int,
+               counters: torch.Tensor | None = None) -> KernelCall:
     """The one-launch sort of ``ids`` (S contiguous ids, 0 < S <= MAX_SLOTS) into
-    ``perm`` (S,) and ``offsets`` (E,) int32."""
+    ``perm`` (S,) and ``offsets`` (E,) int32; zeroes ``counters`` (int32) if given."""
     S = ids.numel()
     grid, block, bins, nb = sort_launch_shape(S, E)
-    return KernelCall(_sort_kernel, grid, (ids, perm, offsets, S, E), dict(BLOCK=block, NB=bins, NUM_BLOCKS=nb), {})
+    cnt, cnt_block = _counter_args(counters, offsets)
+    return KernelCall(_sort_kernel, grid, (ids, perm, offsets, *cnt, S, E),
+                      dict(BLOCK=block, NB=bins, NUM_BLOCKS=nb, CNT_BLOCK=cnt_block), {})
 
 
 def _sort_slots(expert_ids: torch.Tensor, E: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,9 +113,16 @@ def _scale_strides(scale: torch.Tensor) -> tuple[int, int, int]:
 
 
 def _gemm_call(q, q_scale, w, w_scale, block, out, *, offsets=None, perm=None, gather_a=False, scatter_out=False,
-               static=False, topk=1) -> KernelCall | None:
+               static=False, topk=1, combine=None) -> KernelCall | None:
     """The launch of ``out[rows] = q[rows] @ dequant(w[expert])^T`` over the
     expert-sorted rows (None when there are none).
+
+    ``combine``: ``(top_k_index, top_k_weights, final, counters, partials)`` also
+    combines ``out`` (the slot-order (T*k, N) y of the experts forward, contiguous) into
+    ``final`` (T, N) in the same launch (``COMBINE`` in :mod:`.grouped_gemm`);
+    ``counters`` int32, at least one per column tile (``cdiv(N, 16)`` always is), zeroed
+    before the launch; ``partials`` float32 (S, :func:`down_split`, N) where that is
+    above 1, else None.
 
     ``w`` is the stacked (E, N, K) tensor with its grid ``w_scale`` (float32, or UE8M0
     as ``float8_e8m0fnu`` or its ``uint8`` bytes), or a :class:`WeightTable`
@@ -117,10 +135,11 @@ def _gemm_call(q, q_scale, w, w_scale, block, out, *, offsets=None, perm=None, g
     bn, bk = block
     table = isinstance(w, WeightTable)
     split = table and w.split
-    cfg = gemm_config(S, E, 2 * N if split else N, K)
+    cfg = gemm_config(S, E, 2 * N if split else N, K, combine is not None)
+    k_split = cfg.get("SPLIT", 1)
     BM, BN = cfg["BM"], cfg["BN"]
     num_pid_m = max_row_tiles(S, E, BM, offsets is not None)
-    grid = (num_pid_m * cdiv(N, BN) * (2 if split else 1),)
+    grid = (num_pid_m * cdiv(N, BN) * (2 if split else 1) * k_split,)
     align = w.align if table else 16
     if table:
         ws_strides, one_scale_row, e8m0 = (0, *w.scale_strides), w.scale_rows == 1, w.scale_e8m0
@@ -130,18 +149,36 @@ def _gemm_call(q, q_scale, w, w_scale, block, out, *, offsets=None, perm=None, g
         ws = w_scale.view(torch.uint8) if w_scale.dtype == torch.float8_e8m0fnu else w_scale
         ws_strides, one_scale_row = _scale_strides(w_scale), w_scale.shape[1] == 1
     dummy = out
+    options = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if combine is None:
+        fused, tb, kp = (dummy, dummy, dummy, dummy, 0, dummy), 1, 2
+    else:
+        ids, weights, final, counters, partials = combine
+        if (partials is None) != (k_split == 1):
+            raise RuntimeError(f"split-K partials: expected a buffer for {k_split} K ranges, got {partials}")
+        T, topk = ids.shape  # the down GEMM gathers nothing: TOPK is the combine's k
+        fused = (ids, weights, final, counters, T, partials if partials is not None else dummy)
+        tb, kp = next_power_of_2(T), slots_block(topk)
+        options["enable_fp_fusion"] = False  # the combine rounds each product, as the reference
+    bk_step = block_k(bk)
     return KernelCall(_grouped_gemm_kernel, grid, (
         q, q.stride(0), q_scale, q_scale.stride(0) if not static else 0,
         w, ws, *ws_strides,
         out, out.stride(0),
         perm if perm is not None else dummy, offsets if offsets is not None else dummy,
+        *fused,
         S, N, E, num_pid_m,
     ), dict(K=K, TOPK=topk, BN_SCALE=bn, BK_SCALE=bk,
             GATHER_A=gather_a, SCATTER_OUT=scatter_out, STATIC=static,
             SCALE_E8M0=e8m0, HAS_OFFSETS=offsets is not None,
             W_SCALE_PER_TILE=bn % BN == 0 or one_scale_row, W_TABLE=table, W_ALIGN=align, W_SPLIT=split,
-            BM=BM, BN=BN, BK=block_k(bk), EP=_ep(E), GROUP_M=cfg["GROUP_M"]),
-        dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
+            COMBINE=combine is not None, TB=tb, KP=kp, SPLIT=k_split, KS=cdiv(cdiv(K, bk_step), k_split) * bk_step,
+            BM=BM, BN=BN, BK=bk_step, EP=_ep(E), GROUP_M=cfg["GROUP_M"]), options)
+
+
+def down_split(S: int, E: int, N: int, K: int) -> int:
+    """K ranges of the down GEMM with the combine in its launch (its ``partials``)."""
+    return gemm_config(S, E, N, K, True).get("SPLIT", 1)
 
 
 def _gemm(q, q_scale, w, w_scale, block, out, **kw):

@@ -37,9 +37,10 @@ def _key(ids_ptr, j, S, E):
 
 
 @triton.jit
-def sort_block(pid, ids_ptr, perm_ptr, offsets_ptr, S, E, BLOCK: tl.constexpr, NB: tl.constexpr,
-               NUM_BLOCKS: tl.constexpr):
-    """Block ``pid`` of the sort (program 0 also writes ``offsets``)."""
+def sort_block(pid, ids_ptr, perm_ptr, offsets_ptr, cnt_ptr, n_cnt, S, E, BLOCK: tl.constexpr, NB: tl.constexpr,
+               NUM_BLOCKS: tl.constexpr, CNT_BLOCK: tl.constexpr):
+    """Block ``pid`` of the sort (program 0 also writes ``offsets``, and zeroes the
+    ``n_cnt`` <= ``CNT_BLOCK`` int32 counters of the forward's fused combine, if any)."""
     # NB: histogram bins, a power of two > E (keys are 0..E, E = sentinel)
     lane = tl.arange(0, BLOCK)
     total = tl.zeros((NB,), dtype=tl.int32)    # keys of all S slots
@@ -65,25 +66,29 @@ def sort_block(pid, ids_ptr, perm_ptr, offsets_ptr, S, E, BLOCK: tl.constexpr, N
     if pid == 0:
         eo = tl.arange(0, NB)
         tl.store(offsets_ptr + eo, tl.cumsum(total, 0), mask=eo < E)
+        if CNT_BLOCK > 0:
+            c = tl.arange(0, CNT_BLOCK)
+            tl.store(cnt_ptr + c, tl.zeros((CNT_BLOCK,), dtype=tl.int32), mask=c < n_cnt)
 
 
 @triton.jit
-def _sort_kernel(ids_ptr, perm_ptr, offsets_ptr, S, E, BLOCK: tl.constexpr, NB: tl.constexpr,
-                 NUM_BLOCKS: tl.constexpr):
-    sort_block(tl.program_id(0), ids_ptr, perm_ptr, offsets_ptr, S, E, BLOCK, NB, NUM_BLOCKS)
+def _sort_kernel(ids_ptr, perm_ptr, offsets_ptr, cnt_ptr, n_cnt, S, E, BLOCK: tl.constexpr, NB: tl.constexpr,
+                 NUM_BLOCKS: tl.constexpr, CNT_BLOCK: tl.constexpr):
+    sort_block(tl.program_id(0), ids_ptr, perm_ptr, offsets_ptr, cnt_ptr, n_cnt, S, E, BLOCK, NB, NUM_BLOCKS,
+               CNT_BLOCK)
 
 
 @triton.jit
-def _sort_quant_kernel(ids_ptr, perm_ptr, offsets_ptr, S, E, sort_programs,
+def _sort_quant_kernel(ids_ptr, perm_ptr, offsets_ptr, cnt_ptr, n_cnt, S, E, sort_programs,
                        x_ptr, stride_xm, stride_xk, q_ptr, s_ptr, R, K, groups,
-                       BLOCK: tl.constexpr, NB: tl.constexpr, NUM_BLOCKS: tl.constexpr,
+                       BLOCK: tl.constexpr, NB: tl.constexpr, NUM_BLOCKS: tl.constexpr, CNT_BLOCK: tl.constexpr,
                        GROUP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr):
     """The sort (programs ``[0, sort_programs)``) and the dynamic quantisation of x's R
     rows (the rest, ``groups`` K groups per row block) in one launch: they are
     independent, and at decode each is a few microseconds of launch latency."""
     pid = tl.program_id(0)
     if pid < sort_programs:
-        sort_block(pid, ids_ptr, perm_ptr, offsets_ptr, S, E, BLOCK, NB, NUM_BLOCKS)
+        sort_block(pid, ids_ptr, perm_ptr, offsets_ptr, cnt_ptr, n_cnt, S, E, BLOCK, NB, NUM_BLOCKS, CNT_BLOCK)
     else:
         j = pid - sort_programs
         quant_block(j // groups, j % groups, x_ptr, stride_xm, stride_xk, q_ptr, s_ptr, q_ptr, q_ptr, s_ptr, R, K, 1,
