@@ -1,4 +1,5 @@
-"""Plots the CPU time per ``grouped_experts`` op call of several ``host_overhead`` runs.
+"""Plots one metric of several benchmark runs side by side; by default the CPU time per
+``grouped_experts`` op call of ``host_overhead`` runs.
 
     python bench/plot_host.py --out docs/benchmarks/host_overhead_history.png \\
         "2026-11-30=docs/benchmarks/host_overhead.json" \\
@@ -6,8 +7,10 @@
         "2026-12-01 plans=docs/benchmarks/host_overhead_plans.json"
 
 One group of bars per (model, T) present in every run, one bar per run (label=path,
-JSON files written by ``bench/host_overhead.py``), and the 40 µs target as a line.
-Needs matplotlib (the ``bench`` extra); no GPU.
+JSON files written by the ``bench/`` scripts), and a target as a line.  ``--metric``,
+``--variant``, ``--target`` (0: none), ``--ylabel`` and ``--title`` select another
+measurement, e.g. the CUDA-graph time of ``profile_layer`` runs (``graph_us``, variant
+``dynamic``).  Needs matplotlib (the ``bench`` extra); no GPU.
 """
 
 from __future__ import annotations
@@ -17,38 +20,41 @@ import sys
 
 from common import read_json
 
-VARIANT = "op grouped_experts"
-TARGET_US = 40.0
 
-
-def cpu_us(path: str) -> dict[tuple[str, int], float]:
-    """(model, T) -> CPU µs per op call of one run."""
+def metric(path: str, name: str, variant: str) -> dict[tuple[str, int], float]:
+    """(model, T) -> the metric ``name`` of ``variant`` in one run."""
     _, results = read_json(path)
-    return {(r.config.model, r.config.tokens): r.metrics["cpu_us"]
-            for r in results if r.ok and r.config.variant == VARIANT}
+    return {(r.config.model, r.config.tokens): r.metrics[name]
+            for r in results if r.ok and r.config.variant == variant}
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="the PNG to write")
-    p.add_argument("runs", nargs="+", help="label=path of a host_overhead JSON")
+    p.add_argument("runs", nargs="+", help="label=path of a bench JSON")
+    p.add_argument("--metric", default="cpu_us")
+    p.add_argument("--variant", default="op grouped_experts")
+    p.add_argument("--target", type=float, default=40.0, help="a horizontal line at this value (0: none)")
+    p.add_argument("--ylabel", default="CPU µs per op call")
+    p.add_argument("--title", default="torch.ops.fp8_moe.grouped_experts: host time per eager call (H200 host)")
     args = p.parse_args()
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = [(label, cpu_us(path)) for label, path in (r.split("=", 1) for r in args.runs)]
+    runs = [(label, metric(path, args.metric, args.variant)) for label, path in (r.split("=", 1) for r in args.runs)]
     cases = sorted(set.intersection(*(set(data) for _, data in runs)))
     width = 0.8 / len(runs)
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for i, (label, data) in enumerate(runs):
         ax.bar([c + i * width for c in range(len(cases))], [data[case] for case in cases], width, label=label)
-    ax.axhline(TARGET_US, color="k", linestyle="--", label=f"target {TARGET_US:.0f} µs")
+    if args.target:
+        ax.axhline(args.target, color="k", linestyle="--", label=f"target {args.target:g}")
     ax.set_xticks([c + width * (len(runs) - 1) / 2 for c in range(len(cases))])
     ax.set_xticklabels([f"{model}\nT={T}" for model, T in cases], fontsize=8)
-    ax.set_ylabel("CPU µs per op call")
-    ax.set_title("torch.ops.fp8_moe.grouped_experts: host time per eager call (H200 host)")
+    ax.set_ylabel(args.ylabel)
+    ax.set_title(args.title, fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(args.out, dpi=110)
