@@ -151,3 +151,16 @@ def as_expert_lists(args: dict, separate: bool = False) -> dict:
     else:
         out["gate_up_scale_inv"] = [gus[e, :g] for e in range(E)] + [gus[e, g:] for e in range(E)]
     return out
+
+
+def with_split_k(gemm_config, split: int):
+    """``gemm_config`` (``fp8_moe_ops.kernels.moe``'s) giving the down GEMM with the fused
+    combine ``split`` K ranges: to monkeypatch in, so small test shapes run split-K."""
+
+    def config(S, E, N, K, split_k=False):
+        cfg = gemm_config(S, E, N, K, split_k)
+        if split_k:
+            cfg["SPLIT"] = split
+        return cfg
+
+    return config

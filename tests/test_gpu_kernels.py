@@ -31,7 +31,7 @@ from fp8_moe_ops import kernels
 from fp8_moe_ops.kernels import moe
 from fp8_moe_ops.kernels.experts import ARG_NAMES, ExpertsPlan
 
-from helpers import MODELS, make_expert_weights, make_experts_inputs, make_routing, rel_err
+from helpers import MODELS, make_expert_weights, make_experts_inputs, make_routing, rel_err, with_split_k
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -241,15 +241,7 @@ def test_cuda_graph_replay_with_new_routing_equals_eager(static, T, split, monke
     # one recorded in another case)
     E, H, I, k = 16, 512 if split == 1 else 384, 256, 4
     if split > 1:
-        real = moe.gemm_config
-
-        def forced(S, E, N, K, split_k=False):
-            cfg = real(S, E, N, K, split_k)
-            if split_k:
-                cfg["SPLIT"] = split
-            return cfg
-
-        monkeypatch.setattr(moe, "gemm_config", forced)
+        monkeypatch.setattr(moe, "gemm_config", with_split_k(moe.gemm_config, split))
     args = {key: _cuda(v) for key, v in make_experts_inputs(T, E, H, I, k, [128, 128], static=static, seed=7).items()}
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())

@@ -30,7 +30,7 @@ import torch
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from helpers import make_expert_weights, make_routing, rel_err
+from helpers import make_expert_weights, make_routing, rel_err, with_split_k
 
 INTERPRETED = isinstance(tl.cdiv, InterpretedFunction)
 if INTERPRETED:
@@ -333,14 +333,7 @@ def test_experts_split_k_down(case, static, split, monkeypatch):
     # the down GEMM's K in ranges (decode with few experts): float32 partials that the
     # fused combine adds in order, then rounds
     real = moe.gemm_config
-
-    def forced(S, E, N, K, split_k=False):
-        cfg = real(S, E, N, K, split_k)
-        if split_k:
-            cfg["SPLIT"] = split
-        return cfg
-
-    monkeypatch.setattr(moe, "gemm_config", forced)
+    monkeypatch.setattr(moe, "gemm_config", with_split_k(real, split))
     args, kw = _experts_args(_SPLIT_CASES[case], torch.bfloat16, torch.float32, static, seed=split)
     E, H, I = args[3].shape[0], args[0].shape[1], args[5].shape[2]
     # the down scale grid inside NaN columns: a K step past I must not read a scale
