@@ -9,9 +9,9 @@ of the SMs (264 in the table: two per SM of the H200's 132; a GPU with many more
 would want its own table).  For the down GEMM with the combine in its launch
 (``split_k``) such an entry splits K into up to ``K / 1024`` ranges (``SPLIT``) where
 narrowing alone would go to 32-column tiles: programs of the full ``BN`` stream wider
-weight tiles.  ``BN`` then narrows if that is not enough.  The table was written from the sweep of
-``bench/tune.py`` on an H200 (winners per bucket, by hand: see docs/benchmarks.md);
-other GPUs use the same table.
+weight tiles.  ``BN`` then narrows if that is not enough.  The table was written from
+the sweep of ``bench/tune.py`` on an H200 (winners per bucket, by hand: see
+docs/benchmarks.md); other GPUs use the same table.
 """
 
 from __future__ import annotations
