@@ -57,11 +57,11 @@ def gemm_config(S: int, E: int, N: int, K: int, split_k: bool = False) -> dict:
     if min_programs is not None:
         groups = max(1, min(E, S))  # at most this many experts have rows
         split = 1
-        if split_k and groups * cdiv(N, 64) < min_programs:
-            # narrowing would go to 32-column tiles, which stream their 4 KB per K step at
-            # about half the rate of 128-wide ones (mixtral_8x7b's down GEMM at T=1)
-            split = max(1, min(cdiv(min_programs, groups * cdiv(N, cfg["BN"])), K // MIN_SPLIT_K))
         if split_k:
+            if groups * cdiv(N, 64) < min_programs:
+                # narrowing would go to 32-column tiles, which stream their 4 KB per K step
+                # at about half the rate of 128-wide ones (mixtral_8x7b's down GEMM at T=1)
+                split = max(1, min(cdiv(min_programs, groups * cdiv(N, cfg["BN"])), K // MIN_SPLIT_K))
             cfg["SPLIT"] = split
         while cfg["BN"] > 32 and groups * cdiv(N, cfg["BN"]) * split < min_programs:
             cfg["BN"] //= 2
