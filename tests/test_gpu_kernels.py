@@ -194,6 +194,10 @@ EXPERT_CASES = {  # T, E, H, I, top_k, block, routing (tests/helpers.make_routin
     "sentinels": (257, 9, 512, 384, 3, [128, 128], "sentinel"),
     "block 32": (100, 4, 160, 96, 2, [32, 32], "sentinel"),
     "mid-size": (600, 16, 1024, 512, 4, [128, 128], "uniform"),
+    # decode (T * k <= 16): the activation and the combine in the GEMMs' launches
+    "decode, H/I not multiples": (3, 13, 400, 200, 4, [128, 128], "sentinel"),
+    "decode, 16 slots, 6 groups of I": (2, 16, 512, 768, 8, [128, 128], "uniform"),
+    "decode, block 32": (3, 4, 160, 96, 2, [32, 32], "empty"),
 }
 EXPERT_COMBOS = {  # activation dtype, scale dtype, static, per-tensor weight scales, activation, swiglu_limit
     "bf16 dynamic silu": (torch.bfloat16, torch.float32, False, False, "silu", None),
@@ -231,14 +235,14 @@ def test_experts_match_cpu(case, combo):
 # --------------------------------------------------------------------------- CUDA graphs
 
 
-@pytest.mark.parametrize("T,split", [(64, 1), (4, 1), (4, 2)],
-                         ids=["combine_kernel", "fused_combine", "fused_combine_split_k"])
+@pytest.mark.parametrize("T,split", [(64, 1), (2, 1), (2, 2)],
+                         ids=["combine_kernel", "fused", "fused_split_k"])
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
 def test_cuda_graph_replay_with_new_routing_equals_eager(static, T, split, monkeypatch):
-    # T=4 (16 slots): the combine runs in the down GEMM's launch, its counters zeroed by
-    # the sort on every replay; split: the down GEMM's K in two ranges (another H: the
-    # op's plan of a signature is recorded under the config of that call, and must not be
-    # one recorded in another case)
+    # T=2 (8 slots): the activation and the combine run in the GEMMs' launches, their
+    # counters zeroed by the sort on every replay; split: the down GEMM's K in two ranges
+    # (another H: the op's plan of a signature is recorded under the config of that call,
+    # and must not be one recorded in another case)
     E, H, I, k = 16, 512 if split == 1 else 384, 256, 4
     if split > 1:
         monkeypatch.setattr(moe, "gemm_config", with_split_k(moe.gemm_config, split))

@@ -269,7 +269,10 @@ def _experts_args(case, dtype, scale_dtype, static, per_tensor=False, seed=0):
 
 
 def _check_experts(args, kw):
-    out = kernels.grouped_experts(*args, **kw)
+    # the activation in the gate_up GEMM's launch at every S the combine is fused at
+    with mock.patch.object(experts, "ACT_SLOTS", experts.COMBINE_SLOTS):
+        out = kernels.grouped_experts(*args, **kw)
+        batched = kernels.batched_experts(*args, **kw)
     ref = reference.grouped_experts(*args, **kw)
     assert out.shape == ref.shape and out.dtype == ref.dtype
     assert not out.isnan().any()
@@ -281,10 +284,9 @@ def _check_experts(args, kw):
     E = args[3].shape[0]
     none = ((idx < 0) | (idx >= E)).all(dim=1)
     assert torch.equal(out[none], torch.zeros_like(out[none]))  # sentinel-only tokens: exactly 0
-    batched = kernels.batched_experts(*args, **kw)
     assert torch.equal(batched, out)  # same machinery: bitwise
-    # the combine in the down GEMM's launch (these S are all <= COMBINE_SLOTS) and the
-    # standalone combine kernel (larger S) are the same arithmetic
+    # the activation in the gate_up GEMM's launch and the combine in the down GEMM's (these
+    # S are all <= COMBINE_SLOTS) and their standalone kernels (larger S): the same arithmetic
     assert args[1].numel() <= experts.COMBINE_SLOTS
     with mock.patch.object(experts, "COMBINE_SLOTS", 0):
         assert torch.equal(kernels.grouped_experts(*args, **kw), out)
@@ -294,7 +296,11 @@ def _check_experts(args, kw):
 @pytest.mark.parametrize("case", list(_EXPERT_CASES))
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
 def test_experts_shapes(case, static):
-    _check_experts(*_experts_args(case, torch.bfloat16, torch.float32, static))
+    args, kw = _experts_args(case, torch.bfloat16, torch.float32, static)
+    out = _check_experts(args, kw)
+    # the path of S > MAX_SLOTS: torch's sort, then the quantisation in its own launch
+    with mock.patch.object(experts, "COMBINE_SLOTS", 0), mock.patch.object(experts, "MAX_SLOTS", 0):
+        assert torch.equal(kernels.grouped_experts(*args, **kw), out)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
@@ -602,7 +608,7 @@ def test_launch_cache_keys_on_argument_specialisation():
     launch._LAUNCHES.clear()
     out = kernels.grouped_experts(*args)
     first = dict(launch._LAUNCHES)
-    assert len(first) == 4  # sort + quantise, gate_up, activation, down + combine (S <= COMBINE_SLOTS)
+    assert len(first) == 3  # sort + quantise, gate_up + activation, down + combine (S <= ACT_SLOTS)
     assert torch.equal(kernels.grouped_experts(*args), out)
     assert launch._LAUNCHES.keys() == first.keys()
     hidden = args[0]

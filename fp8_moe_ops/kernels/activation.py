@@ -4,6 +4,8 @@ h (S, 2I) (gate columns then up columns, rounded to the activation dtype by the
 gate_up GEMM) -> ``a = act(gate) * up`` in float32, rounded to the activation dtype
 (as :func:`fp8_moe_ops.reference.gated_activation`), then quantised for the down
 projection exactly as :mod:`.quant` does: the rounded ``a`` never goes to memory.
+At decode (S <= ``ACT_SLOTS`` of :mod:`.experts`) :func:`gated_act_quant` runs in
+the gate_up GEMM's launch instead (``GATED`` in :mod:`.grouped_gemm`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,30 @@ def _apply_activation(g, ACT: tl.constexpr):
 
 
 @triton.jit
+def gated_act_quant(h_ptr, stride_hm, q_ptr, s_ptr, act_scale_ptr, rows, rmask, expert, g, I, limit,
+                    ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, STATIC: tl.constexpr, GROUP: tl.constexpr,
+                    BLOCK_G: tl.constexpr):
+    """Group ``g`` (columns ``[g * GROUP, (g + 1) * GROUP)`` of I) of the sorted ``rows``
+    (``rmask``: rows of an expert; ``expert``: each row's, read when STATIC) -> q, and
+    its scales into s (dynamic).  h is read past L1 (``.cg``): in the gate_up GEMM's
+    fused activation other programs wrote it in the same launch."""
+    cg = tl.arange(0, BLOCK_G)
+    cols = g * GROUP + cg
+    cmask = (cg < GROUP) & (cols < I)
+    mask = rmask[:, None] & cmask[None, :]
+    base = h_ptr + rows.to(tl.int64)[:, None] * stride_hm + cols[None, :]
+    gate = tl.load(base, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+    up = tl.load(base + I, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+    if HAS_LIMIT:
+        gate = tl.minimum(gate, limit)
+        up = tl.clamp(up, -limit, limit)
+    a = round_to(_apply_activation(gate, ACT) * up, h_ptr.dtype.element_ty).to(tl.float32)
+    a = tl.where(mask, a, 0.0)
+    quantize_and_store(a, rows, rmask, mask, cols, g, expert, q_ptr, s_ptr, act_scale_ptr, I,
+                       GROUP=GROUP, STATIC=STATIC)
+
+
+@triton.jit
 def _gated_act_quant_kernel(
     h_ptr, stride_hm,          # h (S, 2I) activation dtype, unit stride in columns
     q_ptr, s_ptr,              # q (S, I) e4m3; s (S, ceil(I/bk)) float32 (dynamic)
@@ -38,23 +64,8 @@ def _gated_act_quant_kernel(
     ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, STATIC: tl.constexpr,
     GROUP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, SEARCH_STEPS: tl.constexpr,
 ):
-    pid_r = tl.program_id(0)
-    g = tl.program_id(1)
-    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-    cg = tl.arange(0, BLOCK_G)
-    cols = g * GROUP + cg
-    cmask = (cg < GROUP) & (cols < I)
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     # rows past offsets[-1] are sentinel slots: nothing downstream reads them
     expert = expert_of_rows(rows, offsets_ptr, E, SEARCH_STEPS)
-    rmask = (rows < S) & (expert < E)
-    mask = rmask[:, None] & cmask[None, :]
-    base = h_ptr + rows.to(tl.int64)[:, None] * stride_hm + cols[None, :]
-    gate = tl.load(base, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(base + I, mask=mask, other=0.0).to(tl.float32)
-    if HAS_LIMIT:
-        gate = tl.minimum(gate, limit)
-        up = tl.clamp(up, -limit, limit)
-    a = round_to(_apply_activation(gate, ACT) * up, h_ptr.dtype.element_ty).to(tl.float32)
-    a = tl.where(mask, a, 0.0)
-    quantize_and_store(a, rows, rmask, mask, cols, g, expert, q_ptr, s_ptr, act_scale_ptr, I,
-                       GROUP=GROUP, STATIC=STATIC)
+    gated_act_quant(h_ptr, stride_hm, q_ptr, s_ptr, act_scale_ptr, rows, (rows < S) & (expert < E), expert,
+                    tl.program_id(1), I, limit, ACT, HAS_LIMIT, STATIC, GROUP, BLOCK_G)

@@ -5,11 +5,14 @@ Layout of the forward (S = T * k slots, slot ``t*k + j`` is token t's j-th choic
 
 1. ``perm`` (S,) sorted position -> slot, ``offsets`` (E,): :mod:`.sort` (one launch)
    for S <= 2048, else :mod:`fp8_moe_ops.routing` (torch.sort);
-2. activations quantised once: dynamic, (T, H) per token before any gather (scales
-   do not depend on the expert), in the sort's launch where the sort is one; static,
-   the sorted rows with their expert's scale;
-3. gate_up GEMM, A rows gathered by ``perm // k`` -> h (S, 2I) in sorted order;
-4. gated activation + quantisation -> (S, I) fp8;
+2. activations quantised once, in the sort's launch where the sort is one: dynamic,
+   (T, H) per token (scales do not depend on the expert); static, the (S, H) slots
+   with their expert's scale, in slot order (that needs the ids, not the sort);
+3. gate_up GEMM, A rows gathered by ``perm // k`` (static: ``perm``) -> h (S, 2I) in
+   sorted order;
+4. gated activation + quantisation -> (S, I) fp8; for S <= 8 (``ACT_SLOTS``: decode)
+   in the gate_up GEMM's launch, by the last row tile to finish each quantisation
+   group (:mod:`.grouped_gemm`), with counters the sort zeroes;
 5. down GEMM, output rows scattered by ``perm`` -> y (S, H) in slot order (at decode
    with few experts in K ranges summed into float32 partials: :mod:`.config`);
 6. combine: per token, in ascending expert id, float32 -> (T, H); for S <= 64
@@ -22,7 +25,7 @@ and batched agree bitwise.  The intermediate buffers (perm, offsets, the quantis
 activations and their scales, h, y) are views of one workspace allocation
 (:func:`_layout`).
 
-**Launch plans.**  At decode the five or six kernels take microseconds each on the GPU, so the
+**Launch plans.**  At decode the three or four kernels take microseconds each on the GPU, so the
 CPU's work per call decides a step's time.  A call of an argument signature (the
 second: :func:`planned`) runs the forward as above and records it as an
 :class:`ExpertsPlan`: per kernel, the
@@ -51,9 +54,9 @@ from ..functional import cdiv
 from .activation import ACT_IDS, _gated_act_quant_kernel
 from .combine import combine_call
 from .launch import KernelCall, cached, launch
-from .moe import _block, _counter_args, _flat, _gemm_call, _quant_call, _sort_call, down_split
+from .moe import _block, _flat, _gemm_call, _quant_call, down_split
 from .quant import quant_launch_shape
-from .sort import MAX_SLOTS, _sort_quant_kernel, sort_launch_shape
+from .sort import CNT_STEP, MAX_SLOTS, _sort_quant_kernel, sort_launch_shape
 
 __all__ = ["grouped_experts", "batched_experts", "experts_forward", "planned", "planned_experts", "ExpertsPlan"]
 
@@ -61,6 +64,10 @@ _ALIGN = 256  # bytes from one workspace buffer to the next (the kernels need 16
 # at most this many slots: the combine runs in the down GEMM's launch (the last program of a
 # column tile combines all T tokens' slots there, so its share grows with S)
 COMBINE_SLOTS = 64
+# at most this many slots (and <= COMBINE_SLOTS: the counters): the activation runs in the
+# gate_up GEMM's launch.  On the H200 that saved 4-6 us of a T=1 layer (8 slots or fewer) in
+# a CUDA graph; at 16 slots deepseek_v3 lost 9 % and at 64 qwen3_30b_a3b 7 % (docs/benchmarks.md)
+ACT_SLOTS = 8
 
 # the experts ops' arguments, in schema order
 ARG_NAMES = ("hidden", "top_k_index", "top_k_weights", "gate_up_proj", "gate_up_scale_inv", "down_proj",
@@ -86,7 +93,8 @@ def _layout(T: int, k: int, E: int, H: int, I: int, bk: int, dtype: torch.dtype,
     S = T * k
     bufs = [("perm", torch.int32, (S,)), ("offsets", torch.int32, (E,))] if S <= MAX_SLOTS else []
     if S <= COMBINE_SLOTS:
-        bufs.append(("counters", torch.int32, (cdiv(H, 16),)))  # one per down column tile (BN >= 16)
+        # one per down column tile (BN >= 16), then the gate_up GEMM's
+        bufs.append(("counters", torch.int32, (cdiv(H, 16) + (cdiv(I, bk) if S <= ACT_SLOTS else 0),)))
         split = down_split(S, E, H, I)
         if split > 1:
             bufs.append(("partials", torch.float32, (S, split, H)))
@@ -111,18 +119,23 @@ def routing_sources(hidden, top_k_index, top_k_weights, gate_up_act_scale, down_
                 gate_up_act_scale=_flat(gate_up_act_scale), down_act_scale=_flat(down_act_scale))
 
 
-def _sort_quant_call(ids, perm, offsets, counters, E: int, x, q, q_scale, bk: int) -> KernelCall:
-    """The one-launch sort of the slots (zeroing ``counters`` if given) and the dynamic
-    quantisation of x (T, H), together."""
-    (sort_programs,), block, bins, nb = sort_launch_shape(ids.numel(), E)
+def _sort_quant_call(ids, perm, offsets, counters, E: int, x, q, q_scale, bk: int, static: bool) -> KernelCall:
+    """The one-launch sort of the slots (zeroing ``counters`` if given) and the
+    quantisation of x (T, H), together: dynamic, x's T rows with their scales into
+    ``q_scale``; static, the slots in slot order with their expert's scale ``q_scale``."""
+    S = ids.numel()
+    (sort_programs,), block, bins, nb = sort_launch_shape(S, E)
     T, H = x.shape
-    (row_blocks, groups), block_r, block_g = quant_launch_shape(T, H, bk)
-    cnt, cnt_block = _counter_args(counters, offsets)
+    rows = S if static else T
+    (row_blocks, groups), block_r, block_g = quant_launch_shape(rows, H, bk)
+    n_cnt = 0 if counters is None else counters.numel()
+    step = CNT_STEP.value
+    cnt, cnt_block = (offsets if counters is None else counters, n_cnt), cdiv(n_cnt, step) * step
     return KernelCall(_sort_quant_kernel, (sort_programs + row_blocks * groups,), (
-        ids, perm, offsets, *cnt, ids.numel(), E, sort_programs,
-        x, x.stride(0), x.stride(1), q, q_scale, T, H, groups,
-    ), dict(BLOCK=block, NB=bins, NUM_BLOCKS=nb, CNT_BLOCK=cnt_block, GROUP=bk, BLOCK_R=block_r,
-            BLOCK_G=block_g), {})
+        ids, perm, offsets, *cnt, S, E, sort_programs,
+        x, x.stride(0), x.stride(1), q, q_scale, rows, H, groups,
+    ), dict(BLOCK=block, NB=bins, NUM_BLOCKS=nb, CNT_BLOCK=cnt_block, TOPK=ids.shape[1], STATIC=static, GROUP=bk,
+            BLOCK_R=block_r, BLOCK_G=block_g), {})
 
 
 def _calls(env: dict, E: int, I: int, block: tuple[int, int], activation: str, swiglu_limit, gate_up: tuple,
@@ -136,42 +149,45 @@ def _calls(env: dict, E: int, I: int, block: tuple[int, int], activation: str, s
     k = ids.shape[1]
     S = T * k
     perm, offsets, h, y = env["perm"], env["offsets"], env["h"], env["y"]
-    counters = env.get("counters")  # the combine runs in the down GEMM's launch
+    counters = env.get("counters")  # the activation and the combine run in the GEMMs' launches
     gate_up_act_scale, down_act_scale = env["gate_up_act_scale"], env["down_act_scale"]
-    # gate_up: h (S, 2I) in sorted order, from x quantised per token (dynamic: in the
-    # sort's launch) or the sorted rows quantised with their expert's scale (static)
+    # gate_up: h (S, 2I) in sorted order, its A rows gathered through perm from x
+    # quantised per token (dynamic) or from the slots quantised with their expert's scale
+    # (static), either in the sort's launch where the sort is one
     q = env["q"]
-    if gate_up_act_scale is None:
-        q_scale = env["q_scale"]
-        if S <= MAX_SLOTS:
-            calls = [_sort_quant_call(ids, perm, offsets, counters, E, hidden, q, q_scale, bk)]
-        else:
-            calls = [_quant_call(hidden, q, q_scale, T, bk)]
-        gemm = dict(offsets=offsets, perm=perm, gather_a=True, topk=k)
+    static = gate_up_act_scale is not None
+    q_scale = gate_up_act_scale if static else env["q_scale"]
+    if S <= MAX_SLOTS:
+        calls = [_sort_quant_call(ids, perm, offsets, counters, E, hidden, q, q_scale, bk, static)]
+    elif static:
+        calls = [_quant_call(hidden, q, q_scale, S, bk, static=True, topk=k, ids=ids, num_experts=E)]
     else:
-        q_scale = gate_up_act_scale
-        calls = [_sort_call(ids, perm, offsets, E, counters)] if S <= MAX_SLOTS else []
-        calls.append(_quant_call(hidden, q, q_scale, S, bk, perm=perm, offsets=offsets, static=True, topk=k))
-        gemm = dict(offsets=offsets, static=True)
-    calls.append(_gemm_call(q, q_scale, *gate_up, block, h, **gemm))
-
-    # act(gate) * up, rounded, quantised for the down projection
+        calls = [_quant_call(hidden, q, q_scale, T, bk)]
+    gemm = dict(offsets=offsets, perm=perm, gather_a=True, topk=1 if static else k, static=static)
+    # then act(gate) * up, rounded, quantised for the down projection: in the same launch
+    # for S <= ACT_SLOTS, else its own
     a_q = env["a_q"]
     a_s = env["a_scale"] if down_act_scale is None else down_act_scale
-    grid, block_r, block_g = quant_launch_shape(S, I, bk)
-    calls.append(KernelCall(_gated_act_quant_kernel, grid, (
-        h, h.stride(0), a_q, a_s, offsets, a_s, S, I, E,
-        float(swiglu_limit) if swiglu_limit is not None else 0.0,
-    ), dict(ACT=ACT_IDS[activation], HAS_LIMIT=swiglu_limit is not None, STATIC=down_act_scale is not None,
-            GROUP=bk, BLOCK_R=block_r, BLOCK_G=block_g, SEARCH_STEPS=E.bit_length()),
-        dict(enable_fp_fusion=False)))
+    static_down = down_act_scale is not None
+    gated = None
+    if counters is not None and S <= ACT_SLOTS:  # after the down GEMM's counters (_layout)
+        gated = (a_q, a_s, counters, activation, swiglu_limit, static_down, cdiv(hidden.shape[1], 16))
+    calls.append(_gemm_call(q, q_scale, *gate_up, block, h, **gemm, gated=gated))
+    if gated is None:
+        grid, block_r, block_g = quant_launch_shape(S, I, bk)
+        calls.append(KernelCall(_gated_act_quant_kernel, grid, (
+            h, h.stride(0), a_q, a_s, offsets, a_s, S, I, E,
+            float(swiglu_limit) if swiglu_limit is not None else 0.0,
+        ), dict(ACT=ACT_IDS[activation], HAS_LIMIT=swiglu_limit is not None, STATIC=static_down,
+                GROUP=bk, BLOCK_R=block_r, BLOCK_G=block_g, SEARCH_STEPS=E.bit_length()),
+            dict(enable_fp_fusion=False)))
 
     # down: y (S, H) back in slot order (sentinel slots' rows are zero or unwritten, and
     # never read), then the combine, in the same launch where there are counters
     weights, out = env["top_k_weights"], env["out"]
     fused = (ids, weights, out, counters, env.get("partials")) if counters is not None else None
     calls.append(_gemm_call(a_q, a_s, *down, block, y, offsets=offsets, perm=perm, scatter_out=True,
-                            static=down_act_scale is not None, combine=fused))
+                            static=static_down, combine=fused))
     if fused is None:
         calls.append(combine_call(y, ids, weights, E, out))
     return [c for c in calls if c is not None]

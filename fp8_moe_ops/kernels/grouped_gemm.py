@@ -41,6 +41,16 @@ With ``SPLIT`` > 1 (decode, where too few (expert, column tile) programs would s
 the weights: :func:`.config.gemm_config`) each program sums one of SPLIT ranges of K
 into float32 partials (S, SPLIT, N), every row tile and range counts, and the combine
 adds a slot's partials in range order and rounds that to y's dtype first.
+
+``GATED`` (the gate_up GEMM at decode): the kernel also runs the gated activation and
+its quantisation for the down GEMM (:func:`.activation.gated_act_quant`), one launch
+fewer, with the same pattern: one counter per quantisation group of I, at
+``counter_ptr + CNT_OFF``.  Each row tile, once its tile of ``out`` (h) is stored,
+counts itself on every group whose gate or up columns the tile holds, and the program
+that completes a group's count (every row tile of every column tile holding the
+group) quantises that group for all sorted rows, ROWS (<= S rounded up to a power of
+two) in blocks of RB, into ``act_q_ptr`` / ``act_s_ptr``.  Also launched without FMA
+contraction, as the activation kernel is.
 """
 
 from __future__ import annotations
@@ -52,6 +62,7 @@ import triton
 import triton.language as tl
 
 from ..functional import cdiv
+from .activation import gated_act_quant
 from .combine import combine_tokens
 from .quant import round_to
 
@@ -78,8 +89,9 @@ def _grouped_gemm_kernel(
     out_ptr, stride_om,                      # out (rows, N)
     perm_ptr,                                # (S,) sorted position -> slot (GATHER_A / SCATTER_OUT)
     offsets_ptr,                             # (E,) int32 inclusive cumsum of rows per expert
-    ids_ptr, tw_ptr, final_ptr, counter_ptr, T,  # COMBINE: (T, k) ids and weights, (T, N) output, counters
+    ids_ptr, tw_ptr, final_ptr, counter_ptr, T,  # COMBINE: (T, k) ids and weights, (T, N) output; counters
     part_ptr,                                # SPLIT > 1: (S, SPLIT, N) float32 partial sums
+    act_q_ptr, act_s_ptr, limit,             # GATED: (S, I) e4m3 out; dynamic (S, G) scales out, static (E,) in
     S, N, E, num_pid_m,
     K: tl.constexpr,  # constexpr: static trip count (and the interpreter cannot loop to a runtime int)
     TOPK: tl.constexpr, BN_SCALE: tl.constexpr, BK_SCALE: tl.constexpr,
@@ -89,6 +101,8 @@ def _grouped_gemm_kernel(
     W_SPLIT: tl.constexpr,  # W_TABLE of 2E (N, K) gates then ups -> out (rows, 2N)
     COMBINE: tl.constexpr, TB: tl.constexpr, KP: tl.constexpr,  # the fused combine (module doc)
     SPLIT: tl.constexpr, KS: tl.constexpr,  # split K (COMBINE only): SPLIT ranges of KS (a multiple of BK)
+    GATED: tl.constexpr, ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, ACT_STATIC: tl.constexpr,  # fused activation
+    NG: tl.constexpr, CNT_OFF: tl.constexpr, ROWS: tl.constexpr, RB: tl.constexpr, BLOCK_G: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EP: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -242,6 +256,41 @@ def _grouped_gemm_kernel(
             tl.debug_barrier()
             combine_tokens(0, T, out_n, nmask, out_ptr, part_ptr, ids_ptr, tw_ptr, final_ptr, N, E, TOPK, KP, TB,
                            SPLIT)
+
+    if GATED:
+        # every row tile counts itself on each quantisation group of I that its columns
+        # touch (gate or up); the last one for a group runs the group's activation
+        tl.debug_barrier()
+        I = N if W_SPLIT else N // 2
+        c_lo = n0 + half * N  # the tile's columns of out: [c_lo, c_hi)
+        c_hi = tl.minimum(c_lo + BN, N + half * N)
+        for part in tl.static_range(2):  # the tile's gate columns, then its up columns
+            lo = tl.maximum(c_lo, part * I) - part * I
+            hi = tl.minimum(c_hi, part * I + I) - part * I
+            for j in tl.static_range(NG):
+                g = lo // BK_SCALE + j
+                if (lo < hi) & (g * BK_SCALE < hi):
+                    done = tl.atomic_add(counter_ptr + CNT_OFF + g, 1, sem="acq_rel", scope="gpu")
+                    if done == total * _tiles_of_group(g, I, W_SPLIT, BK_SCALE, BN) - 1:
+                        tl.debug_barrier()
+                        for r0 in range(0, ROWS, RB):  # a loop, not unrolled: registers
+                            act_rows = r0 + tl.arange(0, RB)
+                            # each row's expert: the number of inclusive offsets <= row
+                            expert = tl.sum(((ends[None, :] <= act_rows[:, None]) & emask[None, :]).to(tl.int32), 1)
+                            gated_act_quant(out_ptr, stride_om, act_q_ptr, act_s_ptr, act_s_ptr, act_rows,
+                                            act_rows < last, expert, g, I, limit, ACT, HAS_LIMIT, ACT_STATIC,
+                                            BK_SCALE, BLOCK_G)
+
+
+@triton.jit
+def _tiles_of_group(g, I, W_SPLIT: tl.constexpr, GROUP: tl.constexpr, BN: tl.constexpr):
+    """Column tiles of the gate_up GEMM that hold columns of quantisation group ``g``:
+    its gate columns ``[g * GROUP, end)`` and its up columns (at ``I`` onwards in the
+    stacked (2I, K) matrix; the up half's tiles start afresh with ``W_SPLIT``)."""
+    start = g * GROUP
+    end = tl.minimum(start + GROUP, I)
+    up = 0 if W_SPLIT else I
+    return ((end - 1) // BN - start // BN + 1) + ((up + end - 1) // BN - (up + start) // BN + 1)
 
 
 class WeightTable(NamedTuple):

@@ -16,6 +16,7 @@ import torch
 
 from .. import routing
 from ..functional import cdiv, next_power_of_2
+from .activation import ACT_IDS
 from .combine import slots_block
 from .config import block_k, gemm_config
 from .grouped_gemm import WeightTable, _grouped_gemm_kernel, max_row_tiles
@@ -45,24 +46,6 @@ def _ep(E: int) -> int:
     return max(2, next_power_of_2(E))
 
 
-def _counter_args(counters: torch.Tensor | None, dummy: torch.Tensor) -> tuple[tuple, int]:
-    """The sort's (pointer, count) arguments and CNT_BLOCK for the counters it zeroes."""
-    if counters is None:
-        return (dummy, 0), 0
-    return (counters, counters.numel()), next_power_of_2(counters.numel())
-
-
-def _sort_call(ids: torch.Tensor, perm: torch.Tensor, offsets: torch.Tensor, E: int,
-               counters: torch.Tensor | None = None) -> KernelCall:
-    """The one-launch sort of ``ids`` (S contiguous ids, 0 < S <= MAX_SLOTS) into
-    ``perm`` (S,) and ``offsets`` (E,) int32; zeroes ``counters`` (int32) if given."""
-    S = ids.numel()
-    grid, block, bins, nb = sort_launch_shape(S, E)
-    cnt, cnt_block = _counter_args(counters, offsets)
-    return KernelCall(_sort_kernel, grid, (ids, perm, offsets, *cnt, S, E),
-                      dict(BLOCK=block, NB=bins, NUM_BLOCKS=nb, CNT_BLOCK=cnt_block), {})
-
-
 def _sort_slots(expert_ids: torch.Tensor, E: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(perm (S,) sorted position -> slot, offsets (E,) int32): one launch for small S,
     torch's sort beyond (same result: the stable order is unique)."""
@@ -73,26 +56,32 @@ def _sort_slots(expert_ids: torch.Tensor, E: int) -> tuple[torch.Tensor, torch.T
     offsets = torch.empty(E, dtype=torch.int32, device=expert_ids.device)
     if S == 0:  # an empty grid would leave offsets unwritten
         return perm, offsets.zero_()
-    launch(_sort_call(expert_ids.contiguous(), perm, offsets, E))
+    grid, block, bins, nb = sort_launch_shape(S, E)
+    launch(KernelCall(_sort_kernel, grid, (expert_ids.contiguous(), perm, offsets, offsets, 0, S, E),
+                      dict(BLOCK=block, NB=bins, NUM_BLOCKS=nb, CNT_BLOCK=0), {}))  # no counters to zero
     return perm, offsets
 
 
 def _quant_call(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, rows: int, bk: int, *, perm=None, offsets=None,
-                static: bool = False, topk: int = 1) -> KernelCall | None:
-    """Dynamic: x's ``rows`` rows -> q (rows, K) and their scales s (rows, G).  Static:
-    the ``rows`` sorted rows (source row ``perm[i] // topk`` when ``perm`` is given)
-    with their expert's scale ``s`` (E,) -> q.  None when there is nothing to launch."""
+                static: bool = False, topk: int = 1, ids=None, num_experts: int = 0) -> KernelCall | None:
+    """Dynamic: x's ``rows`` rows -> q (rows, K) and their scales s (rows, G).  Static,
+    with each row's expert's scale ``s`` (E,): the ``rows`` sorted rows (source row
+    ``perm[i] // topk`` when ``perm`` is given), or with ``ids`` (the contiguous
+    (T, topk) expert ids of ``num_experts``) the ``rows`` = T * topk slots in slot order
+    (source row ``slot // topk``) -> q.  None when there is nothing to launch."""
     if rows == 0:
         return None
     K = x.shape[1]
     grid, block_r, block_g = quant_launch_shape(rows, K, bk)
-    E = offsets.shape[0] if offsets is not None else 1
+    slots = ids is not None
+    E = num_experts if slots else offsets.shape[0] if offsets is not None else 1
+    index = ids if slots else perm if perm is not None else q
     return KernelCall(_quant_kernel, grid, (
         x, x.stride(0), x.stride(1), q, s,
-        perm if perm is not None else q, offsets if offsets is not None else q, s,
+        index, offsets if offsets is not None else q, s,
         rows, K, E,
     ), dict(TOPK=topk, GROUP=bk, BLOCK_R=block_r, BLOCK_G=block_g, SEARCH_STEPS=E.bit_length(),
-            STATIC=static, GATHER=perm is not None), {})
+            STATIC=static, GATHER=perm is not None, SLOTS=slots), {})
 
 
 def _quantize(x, bk: int, rows: int, *, perm=None, offsets=None, act_scale=None, topk: int = 1):
@@ -113,7 +102,7 @@ def _scale_strides(scale: torch.Tensor) -> tuple[int, int, int]:
 
 
 def _gemm_call(q, q_scale, w, w_scale, block, out, *, offsets=None, perm=None, gather_a=False, scatter_out=False,
-               static=False, topk=1, combine=None) -> KernelCall | None:
+               static=False, topk=1, combine=None, gated=None) -> KernelCall | None:
     """The launch of ``out[rows] = q[rows] @ dequant(w[expert])^T`` over the
     expert-sorted rows (None when there are none).
 
@@ -123,6 +112,13 @@ def _gemm_call(q, q_scale, w, w_scale, block, out, *, offsets=None, perm=None, g
     ``counters`` int32, at least one per column tile (``cdiv(N, 16)`` always is), zeroed
     before the launch; ``partials`` float32 (S, :func:`down_split`, N) where that is
     above 1, else None.
+
+    ``gated``: ``(a_q, a_scale, counters, activation, swiglu_limit, static, offset)``
+    also runs the gated activation of ``out`` (the sorted (S, 2I) h of the experts
+    forward) and its quantisation into ``a_q`` (S, I) e4m3 and, dynamic, its scales
+    ``a_scale`` (S, cdiv(I, bk)) (static: ``a_scale`` is the (E,) input) in the same
+    launch (``GATED`` in :mod:`.grouped_gemm`); ``counters`` int32, from ``offset`` on
+    ``cdiv(I, bk)`` of them (one per group of I), zeroed before the launch.
 
     ``w`` is the stacked (E, N, K) tensor with its grid ``w_scale`` (float32, or UE8M0
     as ``float8_e8m0fnu`` or its ``uint8`` bytes), or a :class:`WeightTable`
@@ -152,6 +148,8 @@ def _gemm_call(q, q_scale, w, w_scale, block, out, *, offsets=None, perm=None, g
     options = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if combine is None:
         fused, tb, kp = (dummy, dummy, dummy, dummy, 0, dummy), 1, 2
+        if gated is not None:
+            fused = (dummy, dummy, dummy, gated[2], 0, dummy)
     else:
         ids, weights, final, counters, partials = combine
         if (partials is None) != (k_split == 1):
@@ -160,20 +158,30 @@ def _gemm_call(q, q_scale, w, w_scale, block, out, *, offsets=None, perm=None, g
         fused = (ids, weights, final, counters, T, partials if partials is not None else dummy)
         tb, kp = next_power_of_2(T), slots_block(topk)
         options["enable_fp_fusion"] = False  # the combine rounds each product, as the reference
+    act, act_meta = (dummy, dummy, 0.0), dict(GATED=False, ACT=0, HAS_LIMIT=False, ACT_STATIC=False, NG=1, CNT_OFF=0,
+                                                ROWS=1, RB=1, BLOCK_G=1)
+    if gated is not None:
+        a_q, a_scale, _, activation, limit, act_static, cnt_off = gated
+        act = (a_q, a_scale, float(limit) if limit is not None else 0.0)
+        rows = next_power_of_2(S)
+        act_meta = dict(GATED=True, ACT=ACT_IDS[activation], HAS_LIMIT=limit is not None, ACT_STATIC=act_static,
+                        NG=cdiv(BN - 1, bk) + 1, CNT_OFF=cnt_off, ROWS=rows, RB=min(rows, 16),
+                        BLOCK_G=next_power_of_2(bk))
+        options["enable_fp_fusion"] = False  # as the activation kernel: the reference's roundings
     bk_step = block_k(bk)
     return KernelCall(_grouped_gemm_kernel, grid, (
         q, q.stride(0), q_scale, q_scale.stride(0) if not static else 0,
         w, ws, *ws_strides,
         out, out.stride(0),
         perm if perm is not None else dummy, offsets if offsets is not None else dummy,
-        *fused,
+        *fused, *act,
         S, N, E, num_pid_m,
     ), dict(K=K, TOPK=topk, BN_SCALE=bn, BK_SCALE=bk,
             GATHER_A=gather_a, SCATTER_OUT=scatter_out, STATIC=static,
             SCALE_E8M0=e8m0, HAS_OFFSETS=offsets is not None,
             W_SCALE_PER_TILE=bn % BN == 0 or one_scale_row, W_TABLE=table, W_ALIGN=align, W_SPLIT=split,
             COMBINE=combine is not None, TB=tb, KP=kp, SPLIT=k_split, KS=cdiv(cdiv(K, bk_step), k_split) * bk_step,
-            BM=BM, BN=BN, BK=bk_step, EP=_ep(E), GROUP_M=cfg["GROUP_M"]), options)
+            **act_meta, BM=BM, BN=BN, BK=bk_step, EP=_ep(E), GROUP_M=cfg["GROUP_M"]), options)
 
 
 def down_split(S: int, E: int, N: int, K: int) -> int:

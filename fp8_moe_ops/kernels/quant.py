@@ -115,10 +115,12 @@ def expert_of_rows(rows, offsets_ptr, E, SEARCH_STEPS: tl.constexpr):
 @triton.jit
 def quant_block(pid_r, g, x_ptr, stride_xm, stride_xk, q_ptr, s_ptr, perm_ptr, offsets_ptr, act_scale_ptr, R, K, E,
                 TOPK: tl.constexpr, GROUP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr,
-                SEARCH_STEPS: tl.constexpr, STATIC: tl.constexpr, GATHER: tl.constexpr):
-    """Row block ``pid_r``, K group ``g``: dynamic quantises x's rows in place order,
-    static the expert-sorted rows (source row perm[i] // TOPK when GATHER) with the
-    scale of the row's expert."""
+                SEARCH_STEPS: tl.constexpr, STATIC: tl.constexpr, GATHER: tl.constexpr, SLOTS: tl.constexpr):
+    """Row block ``pid_r``, K group ``g``: dynamic quantises x's rows in place order;
+    static, with the scale of each row's expert, either the expert-sorted rows (source
+    row perm[i] // TOPK when GATHER) or, with SLOTS, the slots ``t * TOPK + j`` in slot
+    order (source row t, expert ``perm_ptr[slot]``: the (T, TOPK) expert ids; slots of
+    no expert are skipped)."""
     rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     cg = tl.arange(0, BLOCK_G)
     cols = g * GROUP + cg
@@ -127,10 +129,15 @@ def quant_block(pid_r, g, x_ptr, stride_xm, stride_xk, q_ptr, s_ptr, perm_ptr, o
     src = rows
     expert = None  # dynamic scales do not depend on the expert
     if STATIC:
-        expert = expert_of_rows(rows, offsets_ptr, E, SEARCH_STEPS)
-        rmask = rmask & (expert < E)
-        if GATHER:
-            src = tl.load(perm_ptr + rows, mask=rmask, other=0) // TOPK
+        if SLOTS:
+            expert = tl.load(perm_ptr + rows, mask=rmask, other=-1)
+            rmask = rmask & (expert >= 0) & (expert < E)
+            src = rows // TOPK
+        else:
+            expert = expert_of_rows(rows, offsets_ptr, E, SEARCH_STEPS)
+            rmask = rmask & (expert < E)
+            if GATHER:
+                src = tl.load(perm_ptr + rows, mask=rmask, other=0) // TOPK
     mask = rmask[:, None] & cmask[None, :]
     x = tl.load(x_ptr + src.to(tl.int64)[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask, other=0.0)
     quantize_and_store(x.to(tl.float32), rows, rmask, mask, cols, g, expert, q_ptr, s_ptr, act_scale_ptr, K,
@@ -144,11 +151,11 @@ def _quant_kernel(
     perm_ptr, offsets_ptr, act_scale_ptr,
     R, K, E,
     TOPK: tl.constexpr, GROUP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr,
-    SEARCH_STEPS: tl.constexpr, STATIC: tl.constexpr, GATHER: tl.constexpr,
+    SEARCH_STEPS: tl.constexpr, STATIC: tl.constexpr, GATHER: tl.constexpr, SLOTS: tl.constexpr,
 ):
     # program (row block, K group)
     quant_block(tl.program_id(0), tl.program_id(1), x_ptr, stride_xm, stride_xk, q_ptr, s_ptr, perm_ptr, offsets_ptr,
-                act_scale_ptr, R, K, E, TOPK, GROUP, BLOCK_R, BLOCK_G, SEARCH_STEPS, STATIC, GATHER)
+                act_scale_ptr, R, K, E, TOPK, GROUP, BLOCK_R, BLOCK_G, SEARCH_STEPS, STATIC, GATHER, SLOTS)
 
 
 def quant_launch_shape(rows: int, K: int, group: int) -> tuple[tuple[int, int], int, int]:

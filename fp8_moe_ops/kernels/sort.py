@@ -25,6 +25,7 @@ from .quant import quant_block
 
 BLOCK = 128
 MAX_SLOTS = 2048  # above this the torch path (radix sort) is cheaper
+CNT_STEP = tl.constexpr(1024)  # counters zeroed per store
 # The loop over slot blocks has a constant trip count (masked by S) so one compiled
 # kernel serves every S: a runtime trip count would also not run in the interpreter.
 NUM_BLOCKS = MAX_SLOTS // BLOCK
@@ -40,7 +41,8 @@ def _key(ids_ptr, j, S, E):
 def sort_block(pid, ids_ptr, perm_ptr, offsets_ptr, cnt_ptr, n_cnt, S, E, BLOCK: tl.constexpr, NB: tl.constexpr,
                NUM_BLOCKS: tl.constexpr, CNT_BLOCK: tl.constexpr):
     """Block ``pid`` of the sort (program 0 also writes ``offsets``, and zeroes the
-    ``n_cnt`` <= ``CNT_BLOCK`` int32 counters of the forward's fused combine, if any)."""
+    ``n_cnt`` <= ``CNT_BLOCK`` int32 counters of the forward's fused activation and
+    combine, if any: ``CNT_BLOCK`` a multiple of ``CNT_STEP``, 0 for none)."""
     # NB: histogram bins, a power of two > E (keys are 0..E, E = sentinel)
     lane = tl.arange(0, BLOCK)
     total = tl.zeros((NB,), dtype=tl.int32)    # keys of all S slots
@@ -66,9 +68,9 @@ def sort_block(pid, ids_ptr, perm_ptr, offsets_ptr, cnt_ptr, n_cnt, S, E, BLOCK:
     if pid == 0:
         eo = tl.arange(0, NB)
         tl.store(offsets_ptr + eo, tl.cumsum(total, 0), mask=eo < E)
-        if CNT_BLOCK > 0:
-            c = tl.arange(0, CNT_BLOCK)
-            tl.store(cnt_ptr + c, tl.zeros((CNT_BLOCK,), dtype=tl.int32), mask=c < n_cnt)
+        for c0 in range(0, CNT_BLOCK, CNT_STEP):
+            c = c0 + tl.arange(0, CNT_STEP)
+            tl.store(cnt_ptr + c, tl.zeros((CNT_STEP,), dtype=tl.int32), mask=c < n_cnt)
 
 
 @triton.jit
@@ -82,18 +84,21 @@ def _sort_kernel(ids_ptr, perm_ptr, offsets_ptr, cnt_ptr, n_cnt, S, E, BLOCK: tl
 def _sort_quant_kernel(ids_ptr, perm_ptr, offsets_ptr, cnt_ptr, n_cnt, S, E, sort_programs,
                        x_ptr, stride_xm, stride_xk, q_ptr, s_ptr, R, K, groups,
                        BLOCK: tl.constexpr, NB: tl.constexpr, NUM_BLOCKS: tl.constexpr, CNT_BLOCK: tl.constexpr,
-                       GROUP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr):
-    """The sort (programs ``[0, sort_programs)``) and the dynamic quantisation of x's R
-    rows (the rest, ``groups`` K groups per row block) in one launch: they are
-    independent, and at decode each is a few microseconds of launch latency."""
+                       TOPK: tl.constexpr, STATIC: tl.constexpr, GROUP: tl.constexpr, BLOCK_R: tl.constexpr,
+                       BLOCK_G: tl.constexpr):
+    """The sort (programs ``[0, sort_programs)``) and the quantisation of the
+    activations (the rest, ``groups`` K groups per row block) in one launch: they are
+    independent, and at decode each is a few microseconds of launch latency.  Dynamic:
+    x's R = T rows; static: the R = S slots in slot order, each with the scale
+    ``s_ptr[e]`` of its expert e (the sort is not needed for that)."""
     pid = tl.program_id(0)
     if pid < sort_programs:
         sort_block(pid, ids_ptr, perm_ptr, offsets_ptr, cnt_ptr, n_cnt, S, E, BLOCK, NB, NUM_BLOCKS, CNT_BLOCK)
     else:
         j = pid - sort_programs
-        quant_block(j // groups, j % groups, x_ptr, stride_xm, stride_xk, q_ptr, s_ptr, q_ptr, q_ptr, s_ptr, R, K, 1,
-                    TOPK=1, GROUP=GROUP, BLOCK_R=BLOCK_R, BLOCK_G=BLOCK_G, SEARCH_STEPS=1, STATIC=False,
-                    GATHER=False)
+        quant_block(j // groups, j % groups, x_ptr, stride_xm, stride_xk, q_ptr, s_ptr, ids_ptr, ids_ptr, s_ptr, R, K,
+                    E, TOPK=TOPK, GROUP=GROUP, BLOCK_R=BLOCK_R, BLOCK_G=BLOCK_G, SEARCH_STEPS=1, STATIC=STATIC,
+                    GATHER=False, SLOTS=STATIC)
 
 
 def sort_launch_shape(S: int, E: int) -> tuple[tuple[int], int, int, int]:
