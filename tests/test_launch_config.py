@@ -1,5 +1,5 @@
-"""The checked-in launch-config table (fp8_moe_ops/kernels/configs/h200.json): pure
-Python, no GPU."""
+"""The checked-in launch-config table (fp8_moe_ops/kernels/configs/h200.json) and the
+experts forward's launches by slot count: pure Python, no GPU."""
 
 from __future__ import annotations
 
@@ -67,3 +67,57 @@ def test_tiny_problems_get_no_tile_wider_than_the_problem():
 @pytest.mark.parametrize("bk,step", [(128, 128), (256, 128), (48, 16), (32, 32)])
 def test_block_k(bk, step):
     assert block_k(bk) == step
+
+
+# T * k slots -> the experts forward's launches (dynamic and static alike): the sort and
+# the activation quantisation share one up to MAX_SLOTS; the combine runs in the down
+# GEMM's launch up to COMBINE_SLOTS and the activation in the gate_up GEMM's up to ACT_SLOTS
+LAUNCHES = {
+    4: ["sort+quant", "gate_up+act", "down+combine"],
+    8: ["sort+quant", "gate_up+act", "down+combine"],
+    12: ["sort+quant", "gate_up", "act", "down+combine"],
+    64: ["sort+quant", "gate_up", "act", "down+combine"],
+    68: ["sort+quant", "gate_up", "act", "down", "combine"],
+    2048: ["sort+quant", "gate_up", "act", "down", "combine"],
+    2052: ["quant", "gate_up", "act", "down", "combine"],  # plus torch's sort, before these
+}
+
+
+def _launch_names(calls) -> list[str]:
+    names = {"_sort_quant_kernel": "sort+quant", "_quant_kernel": "quant", "_gated_act_quant_kernel": "act",
+             "_combine_kernel": "combine"}
+    out = []
+    for call in calls:
+        name = call.kernel.fn.__name__
+        if name == "_grouped_gemm_kernel":
+            c = call.constexprs
+            name = ("gate_up" if c["GATHER_A"] else "down") + ("+act" if c["GATED"] else "+combine" if c["COMBINE"] else "")
+        else:
+            name = names[name]
+        out.append(name)
+    return out
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+@pytest.mark.parametrize("slots", list(LAUNCHES))
+def test_experts_launches_by_slot_count(slots, static):
+    # the launch list is built on the host without running a kernel (CPU tensors)
+    import torch
+
+    from fp8_moe_ops.kernels import experts
+
+    assert experts.ACT_SLOTS <= experts.COMBINE_SLOTS  # the activation's counters exist only there
+    k, E, H, I, bk = 4, 8, 64, 32, 16
+    T = slots // k
+    layout = experts._layout(T, k, E, H, I, bk, torch.bfloat16, static, static)
+    env = dict(zip((name for name, *_ in layout.buffers), layout.views(torch.empty(layout.nbytes, dtype=torch.uint8))))
+    if slots > experts.MAX_SLOTS:  # torch's sort makes these
+        env.update(perm=torch.zeros(slots, dtype=torch.int64), offsets=torch.zeros(E, dtype=torch.int64))
+    env.update(hidden=torch.zeros(T, H, dtype=torch.bfloat16), top_k_index=torch.zeros(T, k, dtype=torch.int64),
+               top_k_weights=torch.zeros(T, k), out=torch.zeros(T, H, dtype=torch.bfloat16),
+               gate_up_act_scale=torch.ones(E) if static else None, down_act_scale=torch.ones(E) if static else None)
+    fp8 = torch.float8_e4m3fn
+    gate_up = (torch.zeros(E, 2 * I, H, dtype=fp8), torch.ones(E, 2 * I // bk, H // bk))
+    down = (torch.zeros(E, H, I, dtype=fp8), torch.ones(E, H // bk, I // bk))
+    calls = experts._calls(env, E, I, (bk, bk), "silu", None, gate_up, down)
+    assert _launch_names(calls) == LAUNCHES[slots]
