@@ -1,11 +1,13 @@
 """bench/ on CPU: every script imports without a GPU, and the shared module's runner,
 result types, writers, inputs and floors work (tiny sizes).  The benchmarks themselves
-run on a CUDA machine only."""
+run on a CUDA machine only; kernel_resources compiles for one, here, without it."""
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -196,3 +198,18 @@ def test_bench_and_tests_name_the_same_benchmark_layers(monkeypatch):
 
     bench = _load("common", monkeypatch)
     assert {m.name: (m.E, m.H, m.I, m.top_k) for m in bench.MODELS.values()} == MODELS
+
+
+def test_kernel_resources_compiles_a_launch_for_sm90_without_a_gpu():
+    # a fresh process without the interpreter (which replaces the compiled kernels): the
+    # combine launch of a small forward (80 slots: its own kernel), compiled for sm_90a
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import kernel_resources as kr; "
+            "from fp8_moe_ops.kernels.experts import shape_calls; "
+            "print(kr.resources(shape_calls(20, 4, 8, 64, 32, (16, 16))[-1]))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", code, str(BENCH)], capture_output=True, text=True, timeout=300,
+                          env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = ast.literal_eval(proc.stdout.strip().splitlines()[-1])
+    assert res["kernel"] == "_combine_kernel" and res["warps"] == 4
+    assert 0 < res["registers"] <= 255 and res["spill_bytes"] == 0 and res["shared_bytes"] >= 0

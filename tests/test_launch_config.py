@@ -101,23 +101,9 @@ def _launch_names(calls) -> list[str]:
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
 @pytest.mark.parametrize("slots", list(LAUNCHES))
 def test_experts_launches_by_slot_count(slots, static):
-    # the launch list is built on the host without running a kernel (CPU tensors)
-    import torch
-
+    # the launch list as the forward builds it, on placeholders (no kernel runs)
     from fp8_moe_ops.kernels import experts
 
     assert experts.ACT_SLOTS <= experts.COMBINE_SLOTS  # the activation's counters exist only there
-    k, E, H, I, bk = 4, 8, 64, 32, 16
-    T = slots // k
-    layout = experts._layout(T, k, E, H, I, bk, torch.bfloat16, static, static)
-    env = dict(zip((name for name, *_ in layout.buffers), layout.views(torch.empty(layout.nbytes, dtype=torch.uint8))))
-    if slots > experts.MAX_SLOTS:  # torch's sort makes these
-        env.update(perm=torch.zeros(slots, dtype=torch.int64), offsets=torch.zeros(E, dtype=torch.int64))
-    env.update(hidden=torch.zeros(T, H, dtype=torch.bfloat16), top_k_index=torch.zeros(T, k, dtype=torch.int64),
-               top_k_weights=torch.zeros(T, k), out=torch.zeros(T, H, dtype=torch.bfloat16),
-               gate_up_act_scale=torch.ones(E) if static else None, down_act_scale=torch.ones(E) if static else None)
-    fp8 = torch.float8_e4m3fn
-    gate_up = (torch.zeros(E, 2 * I, H, dtype=fp8), torch.ones(E, 2 * I // bk, H // bk))
-    down = (torch.zeros(E, H, I, dtype=fp8), torch.ones(E, H // bk, I // bk))
-    calls = experts._calls(env, E, I, (bk, bk), "silu", None, gate_up, down)
+    calls = experts.shape_calls(slots // 4, 4, 8, 64, 32, (16, 16), static)
     assert _launch_names(calls) == LAUNCHES[slots]

@@ -193,6 +193,31 @@ def _calls(env: dict, E: int, I: int, block: tuple[int, int], activation: str, s
     return [c for c in calls if c is not None]
 
 
+def shape_calls(T: int, k: int, E: int, H: int, I: int, block: tuple[int, int], static: bool = False,
+                dtype: torch.dtype = torch.bfloat16) -> list[KernelCall]:
+    """The launches of a forward of this shape (stacked weights with float32 scale
+    grids; static: both act scales), built over meta-device placeholders and never run:
+    for tools that inspect what a call launches (tests, ``bench/kernel_resources.py``)."""
+    bn, bk = block
+    S = T * k
+
+    def meta(*shape, dt=torch.float32):
+        return torch.zeros((), dtype=dt, device="meta").expand(*shape)
+
+    layout = _layout(T, k, E, H, I, bk, dtype, static, static)
+    ws = torch.empty(layout.nbytes, dtype=torch.uint8, device="meta")
+    env = dict(zip((name for name, *_ in layout.buffers), layout.views(ws)))
+    if S > MAX_SLOTS:  # torch's sort makes these
+        env.update(perm=meta(S, dt=torch.int64), offsets=meta(E, dt=torch.int64))
+    env.update(hidden=meta(T, H, dt=dtype), top_k_index=meta(T, k, dt=torch.int64), top_k_weights=meta(T, k),
+               out=meta(T, H, dt=dtype), gate_up_act_scale=meta(E) if static else None,
+               down_act_scale=meta(E) if static else None)
+    fp8 = torch.float8_e4m3fn
+    gate_up = (meta(E, 2 * I, H, dt=fp8), meta(E, cdiv(2 * I, bn), cdiv(H, bk)))
+    down = (meta(E, H, I, dt=fp8), meta(E, cdiv(H, bn), cdiv(I, bk)))
+    return _calls(env, E, I, (bn, bk), "silu", None, gate_up, down)
+
+
 def experts_forward(sources: dict, E: int, I: int, block: tuple[int, int], gate_up: tuple, down: tuple,
                     activation: str, swiglu_limit) -> tuple[torch.Tensor, dict, Layout, list[KernelCall]]:
     """Runs the forward whatever holds the weights.  ``sources`` (name -> tensor or None,

@@ -1,0 +1,109 @@
+"""Registers, spills and shared memory of every launch of one ``grouped_experts`` call,
+compiled for the H200 (sm_90a) on this machine: no GPU needed.
+
+    PYTHONPATH=. python bench/kernel_resources.py --out-dir OUT [--cases "qwen3_30b_a3b:1,8;..."]
+
+The launches are the forward's own (``fp8_moe_ops.kernels.experts.shape_calls``: the
+op's launch list for the shape, built on placeholders, nothing runs).  Each kernel is
+compiled by ``triton.compile`` for ``GPUTarget("cuda", 90, 32)`` with the launch's
+compile-time values and options and the JIT's specialisation of the run-time arguments
+(every pointer 16-byte aligned, as the workspace's buffers and the weights are;
+integers equal to 1 constant, multiples of 16 known as such); ``ptxas -v`` of Triton's
+wheel reports the registers and spills.  A program of 4 warps over 168 registers per thread leaves room for 2 programs
+per SM (65536 registers).  Writes ``OUT/kernel_resources.json`` / ``.md``; exits 1 if any
+case failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from common import BLOCK, MODELS, ExperimentConfig, Runner, markdown_table, parse_sweep
+from fp8_moe_ops.kernels.experts import shape_calls
+
+CASES = {"deepseek_v3": [1, 8, 8192], "qwen3_30b_a3b": [1, 8, 8192], "mixtral_8x7b": [1, 8, 8192]}
+TARGET = GPUTarget("cuda", 90, 32)
+_TYPES = {torch.float8_e4m3fn: "*fp8e4nv", torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16",
+          torch.int32: "*i32", torch.int64: "*i64", torch.uint8: "*u8"}
+
+
+def resources(call) -> dict:
+    """``call`` (a :class:`~fp8_moe_ops.kernels.launch.KernelCall`) compiled for sm_90a:
+    its name, registers per thread, spilled bytes (stores + loads), shared memory bytes,
+    warps."""
+    fn = call.kernel
+    runtime = [n for n in fn.arg_names if n not in call.constexprs]
+    constexprs, sig, divisible = dict(call.constexprs), {}, set()
+    for name, a in zip(runtime, call.args):
+        if isinstance(a, torch.Tensor):
+            sig[name] = _TYPES[a.dtype]
+            divisible.add(name)  # as the workspace's buffers and the weights are
+        elif isinstance(a, float):
+            sig[name] = "fp32"
+        elif a == 1:
+            constexprs[name] = 1  # the JIT's specialisation of integers: 1 a constant,
+        else:
+            sig[name] = "i32" if -2**31 <= a < 2**31 else "i64"
+            if a % 16 == 0:  # multiples of 16 known as such
+                divisible.add(name)
+    sig.update({n: "constexpr" for n in constexprs})
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n in divisible}
+    compiled = triton.compile(ASTSource(fn, sig, constexprs, attrs), target=TARGET, options=dict(call.options))
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = os.path.join(tmp, "k.ptx")
+        with open(ptx, "w") as f:
+            f.write(compiled.asm["ptx"])
+        report = subprocess.run([triton.knobs.nvidia.ptxas.path, f"-arch=sm_{TARGET.arch}a", "-v", ptx, "-o",
+                                 os.path.join(tmp, "k.cubin")], capture_output=True, text=True, check=True).stderr
+    regs = int(re.findall(r"Used (\d+) registers", report)[-1])
+    spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", report))
+    return {"kernel": fn.__name__, "registers": regs, "spill_bytes": spills, "shared_bytes": compiled.metadata.shared,
+            "warps": call.options.get("num_warps", 4)}
+
+
+def _summary(launches: list[dict]) -> dict:
+    return {"max_registers": max(x["registers"] for x in launches),
+            "spill_bytes": sum(x["spill_bytes"] for x in launches), "launches": launches}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out-dir", required=True)
+    p.add_argument("--cases", default=None, help="model:T,T;... (default: CASES)")
+    args = p.parse_args()
+    runner = Runner("kernel_resources", args.out_dir)
+    for name, tokens in (parse_sweep(args.cases) if args.cases else CASES).items():
+        model = MODELS[name]
+        for T in tokens:
+            for scheme in ("dynamic", "static"):
+                calls = shape_calls(T, model.top_k, model.E, model.H, model.I, tuple(BLOCK), scheme == "static")
+                runner.run(ExperimentConfig("resources", name, T, scheme),
+                           lambda calls=calls: _summary([resources(c) for c in calls]))
+        runner.save(table(runner))
+    return runner.exit_code()
+
+
+def table(runner: Runner) -> str:
+    """One line per launch of every case (a failed case: one line with its error)."""
+    rows = []
+    for r in runner.results:
+        row = {k: v for k, v in r.flat().items() if k not in r.metrics}
+        rows += [{**row, "launch": i + 1, **launch} for i, launch in enumerate(r.metrics.get("launches", []))] or [row]
+    return markdown_table(rows, [("model", "model", ""), ("T", "tokens", ""), ("scheme", "variant", ""),
+                                 ("launch", "launch", ""), ("kernel", "kernel", ""), ("registers", "registers", ""),
+                                 ("spilled B", "spill_bytes", ""), ("shared B", "shared_bytes", ""),
+                                 ("warps", "warps", ""), ("error", "error", "")])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
