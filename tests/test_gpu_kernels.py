@@ -194,7 +194,8 @@ EXPERT_CASES = {  # T, E, H, I, top_k, block, routing (tests/helpers.make_routin
     "sentinels": (257, 9, 512, 384, 3, [128, 128], "sentinel"),
     "block 32": (100, 4, 160, 96, 2, [32, 32], "sentinel"),
     "mid-size": (600, 16, 1024, 512, 4, [128, 128], "uniform"),
-    # decode (T * k <= 16): the activation and the combine in the GEMMs' launches
+    # decode (T * k <= 16): the combine in the down GEMM's launch, and the activation in
+    # the gate_up GEMM's where T * k <= 8 (block 32: 6 slots; the others 12 and 16)
     "decode, H/I not multiples": (3, 13, 400, 200, 4, [128, 128], "sentinel"),
     "decode, 16 slots, 6 groups of I": (2, 16, 512, 768, 8, [128, 128], "uniform"),
     "decode, block 32": (3, 4, 160, 96, 2, [32, 32], "empty"),
