@@ -93,8 +93,7 @@ def _layout(T: int, k: int, E: int, H: int, I: int, bk: int, dtype: torch.dtype,
     S = T * k
     bufs = [("perm", torch.int32, (S,)), ("offsets", torch.int32, (E,))] if S <= MAX_SLOTS else []
     if S <= COMBINE_SLOTS:
-        # one per down column tile (BN >= 16), then the gate_up GEMM's
-        bufs.append(("counters", torch.int32, (cdiv(H, 16) + (cdiv(I, bk) if S <= ACT_SLOTS else 0),)))
+        bufs.append(("counters", torch.int32, (_counters(S, H, I, bk)[0],)))
         split = down_split(S, E, H, I)
         if split > 1:
             bufs.append(("partials", torch.float32, (S, split, H)))
@@ -111,6 +110,14 @@ def _layout(T: int, k: int, E: int, H: int, I: int, bk: int, dtype: torch.dtype,
         buffers.append((name, dt, shape, strides, offset))
         offset += cdiv(math.prod(shape) * dt.itemsize, _ALIGN) * _ALIGN
     return Layout(buffers, offset)
+
+
+def _counters(S: int, H: int, I: int, bk: int) -> tuple[int, int | None]:
+    """The counters of a forward of S <= COMBINE_SLOTS slots: (how many, where the gate_up
+    GEMM's start, None when the activation has its own launch).  The down GEMM's come
+    first, one per column tile (BN >= 16), then one per quantisation group of I."""
+    down = cdiv(H, 16)
+    return (down + cdiv(I, bk), down) if S <= ACT_SLOTS else (down, None)
 
 
 def routing_sources(hidden, top_k_index, top_k_weights, gate_up_act_scale, down_act_scale) -> dict:
@@ -170,8 +177,9 @@ def _calls(env: dict, E: int, I: int, block: tuple[int, int], activation: str, s
     a_s = env["a_scale"] if down_act_scale is None else down_act_scale
     static_down = down_act_scale is not None
     gated = None
-    if counters is not None and S <= ACT_SLOTS:  # after the down GEMM's counters (_layout)
-        gated = (a_q, a_s, counters, activation, swiglu_limit, static_down, cdiv(hidden.shape[1], 16))
+    act_counters = None if counters is None else _counters(S, hidden.shape[1], I, bk)[1]
+    if act_counters is not None:
+        gated = (a_q, a_s, counters, activation, swiglu_limit, static_down, act_counters)
     calls.append(_gemm_call(q, q_scale, *gate_up, block, h, **gemm, gated=gated))
     if gated is None:
         grid, block_r, block_g = quant_launch_shape(S, I, bk)

@@ -146,22 +146,21 @@ def _gemm_call(q, q_scale, w, w_scale, block, out, *, offsets=None, perm=None, g
         ws_strides, one_scale_row = _scale_strides(w_scale), w_scale.shape[1] == 1
     dummy = out
     options = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    if combine is None:
-        fused, tb, kp = (dummy, dummy, dummy, dummy, 0, dummy), 1, 2
-        if gated is not None:
-            fused = (dummy, dummy, dummy, gated[2], 0, dummy)
-    else:
+    # the combine's and the activation's arguments; `counters` serves both
+    ids = weights = final = partials = counters = dummy
+    T, tb, kp = 0, 1, 2
+    if combine is not None:
         ids, weights, final, counters, partials = combine
         if (partials is None) != (k_split == 1):
             raise RuntimeError(f"split-K partials: expected a buffer for {k_split} K ranges, got {partials}")
+        partials = dummy if partials is None else partials
         T, topk = ids.shape  # the down GEMM gathers nothing: TOPK is the combine's k
-        fused = (ids, weights, final, counters, T, partials if partials is not None else dummy)
         tb, kp = next_power_of_2(T), slots_block(topk)
         options["enable_fp_fusion"] = False  # the combine rounds each product, as the reference
     act, act_meta = (dummy, dummy, 0.0), dict(GATED=False, ACT=0, HAS_LIMIT=False, ACT_STATIC=False, NG=1, CNT_OFF=0,
                                                 ROWS=1, RB=1, BLOCK_G=1)
     if gated is not None:
-        a_q, a_scale, _, activation, limit, act_static, cnt_off = gated
+        a_q, a_scale, counters, activation, limit, act_static, cnt_off = gated
         act = (a_q, a_scale, float(limit) if limit is not None else 0.0)
         rows = next_power_of_2(S)
         act_meta = dict(GATED=True, ACT=ACT_IDS[activation], HAS_LIMIT=limit is not None, ACT_STATIC=act_static,
@@ -174,7 +173,7 @@ def _gemm_call(q, q_scale, w, w_scale, block, out, *, offsets=None, perm=None, g
         w, ws, *ws_strides,
         out, out.stride(0),
         perm if perm is not None else dummy, offsets if offsets is not None else dummy,
-        *fused, *act,
+        ids, weights, final, counters, T, partials, *act,
         S, N, E, num_pid_m,
     ), dict(K=K, TOPK=topk, BN_SCALE=bn, BK_SCALE=bk,
             GATHER_A=gather_a, SCATTER_OUT=scatter_out, STATIC=static,
