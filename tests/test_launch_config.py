@@ -107,3 +107,26 @@ def test_experts_launches_by_slot_count(slots, static):
     assert experts.ACT_SLOTS <= experts.COMBINE_SLOTS  # the activation's counters exist only there
     calls = experts.shape_calls(slots // 4, 4, 8, 64, 32, (16, 16), static)
     assert _launch_names(calls) == LAUNCHES[slots]
+
+
+@pytest.mark.parametrize("T,k,static,block_r", [
+    (1, 8, True, 1),      # decode: one token a program (4, three masked, cost 2 us a call on the H200)
+    (3, 8, True, 4),
+    (8192, 8, True, 4),   # 4 tokens x 8 slots x 128 columns: 4096 outputs per program
+    (8192, 2, True, 16),
+    (1, 8, False, 1),     # dynamic: one output per element of x
+    (8192, 8, False, 16),
+])
+def test_quantisation_programs_take_whole_tokens_and_no_more_rows_than_there_are(T, k, static, block_r):
+    # the first launch of the forward quantises x: static, every token into its k slots
+    from fp8_moe_ops.kernels import experts
+
+    quant = experts.shape_calls(T, k, 256, 7168, 2048, (128, 128), static)[0]
+    c = quant.constexprs
+    assert c["BLOCK_R"] == block_r and c["BLOCK_G"] == 128
+    assert c["TOPK"] == k or not static  # dynamic quantises x's rows, whatever the slots
+    if quant.kernel.fn.__name__ == "_sort_quant_kernel":
+        row_programs = quant.grid[0] - quant.args[7]  # after the sort's programs
+    else:
+        row_programs = quant.grid[0] * quant.grid[1]
+    assert row_programs == -(-T // block_r) * (7168 // 128)

@@ -50,7 +50,7 @@ import torch
 from triton.runtime import driver
 
 from .. import routing
-from ..functional import cdiv
+from ..functional import cdiv, next_power_of_2
 from .activation import ACT_IDS, _gated_act_quant_kernel
 from .combine import combine_call
 from .launch import KernelCall, cached, launch
@@ -129,20 +129,21 @@ def routing_sources(hidden, top_k_index, top_k_weights, gate_up_act_scale, down_
 def _sort_quant_call(ids, perm, offsets, counters, E: int, x, q, q_scale, bk: int, static: bool) -> KernelCall:
     """The one-launch sort of the slots (zeroing ``counters`` if given) and the
     quantisation of x (T, H), together: dynamic, x's T rows with their scales into
-    ``q_scale``; static, the slots in slot order with their expert's scale ``q_scale``."""
+    ``q_scale``; static, each row into its k slots (slot order) with their experts'
+    scales ``q_scale``."""
     S = ids.numel()
     (sort_programs,), block, bins, nb = sort_launch_shape(S, E)
     T, H = x.shape
-    rows = S if static else T
-    (row_blocks, groups), block_r, block_g = quant_launch_shape(rows, H, bk)
+    k = ids.shape[1]
+    (row_blocks, groups), block_r, block_g = quant_launch_shape(T, H, bk, k if static else 1)
     n_cnt = 0 if counters is None else counters.numel()
     step = CNT_STEP.value
     cnt, cnt_block = (offsets if counters is None else counters, n_cnt), cdiv(n_cnt, step) * step
     return KernelCall(_sort_quant_kernel, (sort_programs + row_blocks * groups,), (
         ids, perm, offsets, *cnt, S, E, sort_programs,
-        x, x.stride(0), x.stride(1), q, q_scale, rows, H, groups,
-    ), dict(BLOCK=block, NB=bins, NUM_BLOCKS=nb, CNT_BLOCK=cnt_block, TOPK=ids.shape[1], STATIC=static, GROUP=bk,
-            BLOCK_R=block_r, BLOCK_G=block_g), {})
+        x, x.stride(0), x.stride(1), q, q_scale, T, H, groups,
+    ), dict(BLOCK=block, NB=bins, NUM_BLOCKS=nb, CNT_BLOCK=cnt_block, TOPK=k, KP=next_power_of_2(k), STATIC=static,
+            GROUP=bk, BLOCK_R=block_r, BLOCK_G=block_g), {})
 
 
 def _calls(env: dict, E: int, I: int, block: tuple[int, int], activation: str, swiglu_limit, gate_up: tuple,
@@ -167,7 +168,7 @@ def _calls(env: dict, E: int, I: int, block: tuple[int, int], activation: str, s
     if S <= MAX_SLOTS:
         calls = [_sort_quant_call(ids, perm, offsets, counters, E, hidden, q, q_scale, bk, static)]
     elif static:
-        calls = [_quant_call(hidden, q, q_scale, S, bk, static=True, topk=k, ids=ids, num_experts=E)]
+        calls = [_quant_call(hidden, q, q_scale, T, bk, static=True, topk=k, ids=ids, num_experts=E)]
     else:
         calls = [_quant_call(hidden, q, q_scale, T, bk)]
     gemm = dict(offsets=offsets, perm=perm, gather_a=True, topk=1 if static else k, static=static)

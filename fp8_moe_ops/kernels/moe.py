@@ -67,21 +67,22 @@ def _quant_call(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, rows: int, bk
     """Dynamic: x's ``rows`` rows -> q (rows, K) and their scales s (rows, G).  Static,
     with each row's expert's scale ``s`` (E,): the ``rows`` sorted rows (source row
     ``perm[i] // topk`` when ``perm`` is given), or with ``ids`` (the contiguous
-    (T, topk) expert ids of ``num_experts``) the ``rows`` = T * topk slots in slot order
-    (source row ``slot // topk``) -> q.  None when there is nothing to launch."""
+    (T, topk) expert ids of ``num_experts``) x's ``rows`` = T rows into their T * topk
+    slots in slot order (slot ``t * topk + j``) -> q.  None when there is nothing to
+    launch."""
     if rows == 0:
         return None
     K = x.shape[1]
-    grid, block_r, block_g = quant_launch_shape(rows, K, bk)
     slots = ids is not None
+    grid, block_r, block_g = quant_launch_shape(rows, K, bk, topk if slots else 1)
     E = num_experts if slots else offsets.shape[0] if offsets is not None else 1
     index = ids if slots else perm if perm is not None else q
     return KernelCall(_quant_kernel, grid, (
         x, x.stride(0), x.stride(1), q, s,
         index, offsets if offsets is not None else q, s,
         rows, K, E,
-    ), dict(TOPK=topk, GROUP=bk, BLOCK_R=block_r, BLOCK_G=block_g, SEARCH_STEPS=E.bit_length(),
-            STATIC=static, GATHER=perm is not None, SLOTS=slots), {})
+    ), dict(TOPK=topk, KP=next_power_of_2(topk), GROUP=bk, BLOCK_R=block_r, BLOCK_G=block_g,
+            SEARCH_STEPS=E.bit_length(), STATIC=static, GATHER=perm is not None, SLOTS=slots), {})
 
 
 def _quantize(x, bk: int, rows: int, *, perm=None, offsets=None, act_scale=None, topk: int = 1):

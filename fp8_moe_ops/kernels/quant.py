@@ -4,13 +4,14 @@ The numerics are :func:`fp8_moe_ops.reference.quantize_act_dynamic` /
 :func:`~fp8_moe_ops.reference.quantize_act_static`, bitwise:
 
 * the division is IEEE (``tl.math.div_rn``): Triton's ``/`` on float32 is approximate;
-* the float32 -> e4m3 rounding is done in float32 arithmetic by :func:`round_to_e4m3`
-  (round to nearest even on the e4m3 grid, sign kept), and only the already exact
-  value is cast.  The GPU's own cast would round the same way, but the Triton
-  interpreter's does not (it rounds 126.24 to 64, ties away from zero, subnormals to
-  0: docs/notes.md), and one code path for both lets the CPU tests check the bytes
-  bitwise against torch.  :func:`round_to` does the same for float32 -> bfloat16,
-  which the interpreter truncates.
+* the float32 -> e4m3 and float32 -> bf16 roundings (to nearest even) are the GPU's
+  own cast instructions (``cvt.rn``), one per element or pair, as torch's casts round.
+  The Triton interpreter's casts do not round that way (126.24 -> 64, ties away from
+  zero, subnormals to 0, bf16 truncated: docs/notes.md), so under ``TRITON_INTERPRET=1``
+  (``HW_CASTS`` false) :func:`round_to_e4m3` and :func:`round_to` round in float32
+  arithmetic and cast only the already exact value; the CPU tests check those bytes
+  bitwise against torch, and the GPU tests the casts' bytes against the same
+  reference.
 
 The ``@triton.jit`` helpers here are shared with the gated-activation kernel.
 """
@@ -23,17 +24,22 @@ import triton.language as tl
 from ..functional import cdiv, next_power_of_2
 
 FP8_MAX = tl.constexpr(448.0)  # torch.finfo(torch.float8_e4m3fn).max
+# the GPU's cast instructions round as torch does; the interpreter's do not (module docstring).
+# Read when the kernels are decorated, as Triton itself decides interpretation.
+HW_CASTS = tl.constexpr(not triton.knobs.runtime.interpret)
 
 
 @triton.jit
 def round_to_e4m3(v):
     """float32 in [-448, 448] (or NaN) -> float8_e4m3fn, round to nearest even.
 
-    e4m3 has 3 mantissa bits and a smallest normal exponent of -6, so the grid step
-    at |v| in [2^e, 2^(e+1)) is 2^(max(e, -6) - 3) (subnormals share the step of
-    the smallest binade).  ``(y + 1.5 * 2^23) - 1.5 * 2^23`` rounds y (< 2^22) to
-    an integer with the FPU's round-to-nearest-even; the scalings are by powers of
-    two, hence exact."""
+    On the GPU the cast instruction.  Under the interpreter: e4m3 has 3 mantissa bits
+    and a smallest normal exponent of -6, so the grid step at |v| in [2^e, 2^(e+1)) is
+    2^(max(e, -6) - 3) (subnormals share the step of the smallest binade).
+    ``(y + 1.5 * 2^23) - 1.5 * 2^23`` rounds y (< 2^22) to an integer with the FPU's
+    round-to-nearest-even; the scalings are by powers of two, hence exact."""
+    if HW_CASTS:
+        return v.to(tl.float8e4nv, fp_downcast_rounding="rtne")
     bits = v.to(tl.int32, bitcast=True)
     sign = (bits >> 31) << 31
     exp = ((bits >> 23) & 0xFF) - 127
@@ -50,9 +56,14 @@ def round_to_e4m3(v):
 def round_to(x, dtype: tl.constexpr):
     """float32 -> ``dtype`` (bf16 / fp16 / fp32) rounding to nearest even.
 
-    bf16 is rounded in integer arithmetic on the float32 bits (add 0x7FFF plus the
-    lowest kept bit, clear the low half; NaN kept as is), then cast exactly."""
-    if dtype == tl.bfloat16:
+    On the GPU the cast instruction.  Under the interpreter bf16 is rounded in integer
+    arithmetic on the float32 bits (add 0x7FFF plus the lowest kept bit, clear the low
+    half; NaN kept as is), then cast exactly."""
+    if dtype == tl.float32:
+        return x
+    elif HW_CASTS:
+        return x.to(dtype, fp_downcast_rounding="rtne")
+    elif dtype == tl.bfloat16:
         bits = x.to(tl.int32, bitcast=True)
         rounded = (bits + (0x7FFF + ((bits >> 16) & 1))) & -65536
         r = tl.where(x != x, x, rounded.to(tl.float32, bitcast=True))
@@ -114,34 +125,45 @@ def expert_of_rows(rows, offsets_ptr, E, SEARCH_STEPS: tl.constexpr):
 
 @triton.jit
 def quant_block(pid_r, g, x_ptr, stride_xm, stride_xk, q_ptr, s_ptr, perm_ptr, offsets_ptr, act_scale_ptr, R, K, E,
-                TOPK: tl.constexpr, GROUP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr,
-                SEARCH_STEPS: tl.constexpr, STATIC: tl.constexpr, GATHER: tl.constexpr, SLOTS: tl.constexpr):
+                TOPK: tl.constexpr, KP: tl.constexpr, GROUP: tl.constexpr, BLOCK_R: tl.constexpr,
+                BLOCK_G: tl.constexpr, SEARCH_STEPS: tl.constexpr, STATIC: tl.constexpr, GATHER: tl.constexpr,
+                SLOTS: tl.constexpr):
     """Row block ``pid_r``, K group ``g``: dynamic quantises x's rows in place order;
     static, with the scale of each row's expert, either the expert-sorted rows (source
-    row perm[i] // TOPK when GATHER) or, with SLOTS, the slots ``t * TOPK + j`` in slot
-    order (source row t, expert ``perm_ptr[slot]``: the (T, TOPK) expert ids; slots of
-    no expert are skipped)."""
+    row perm[i] // TOPK when GATHER) or, with SLOTS, x's R = T rows (tokens) into their
+    slots ``t * TOPK + j`` in slot order: each row is loaded once and quantised once per
+    slot, with the scale of the slot's expert ``perm_ptr[slot]`` (the (T, TOPK) expert
+    ids; slots of no expert are skipped)."""
     rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     cg = tl.arange(0, BLOCK_G)
     cols = g * GROUP + cg
     cmask = (cg < GROUP) & (cols < K)
     rmask = rows < R
-    src = rows
-    expert = None  # dynamic scales do not depend on the expert
-    if STATIC:
-        if SLOTS:
-            expert = tl.load(perm_ptr + rows, mask=rmask, other=-1)
-            rmask = rmask & (expert >= 0) & (expert < E)
-            src = rows // TOPK
-        else:
+    if SLOTS:
+        # all TOPK slots of each row at once (KP: TOPK rounded up to a power of two), every
+        # load before the stores
+        js = tl.arange(0, KP)
+        slots = rows[:, None] * TOPK + js[None, :]
+        expert = tl.load(perm_ptr + slots, mask=rmask[:, None] & (js[None, :] < TOPK), other=-1)
+        smask = (expert >= 0) & (expert < E)
+        scale = tl.load(act_scale_ptr + expert, mask=smask, other=1.0)
+        x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm + cols[None, :] * stride_xk,
+                    mask=rmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+        q = quantize_static(x[:, None, :], scale[:, :, None])
+        tl.store(q_ptr + slots.to(tl.int64)[:, :, None] * K + cols[None, None, :], q,
+                 mask=smask[:, :, None] & cmask[None, None, :])
+    else:
+        src = rows
+        expert = None  # dynamic scales do not depend on the expert
+        if STATIC:
             expert = expert_of_rows(rows, offsets_ptr, E, SEARCH_STEPS)
             rmask = rmask & (expert < E)
             if GATHER:
                 src = tl.load(perm_ptr + rows, mask=rmask, other=0) // TOPK
-    mask = rmask[:, None] & cmask[None, :]
-    x = tl.load(x_ptr + src.to(tl.int64)[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask, other=0.0)
-    quantize_and_store(x.to(tl.float32), rows, rmask, mask, cols, g, expert, q_ptr, s_ptr, act_scale_ptr, K,
-                       GROUP=GROUP, STATIC=STATIC)
+        mask = rmask[:, None] & cmask[None, :]
+        x = tl.load(x_ptr + src.to(tl.int64)[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask, other=0.0)
+        quantize_and_store(x.to(tl.float32), rows, rmask, mask, cols, g, expert, q_ptr, s_ptr, act_scale_ptr, K,
+                           GROUP=GROUP, STATIC=STATIC)
 
 
 @triton.jit
@@ -150,16 +172,18 @@ def _quant_kernel(
     q_ptr, s_ptr,                  # q (R, K) e4m3 contiguous; s (R, G) float32 (dynamic)
     perm_ptr, offsets_ptr, act_scale_ptr,
     R, K, E,
-    TOPK: tl.constexpr, GROUP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr,
+    TOPK: tl.constexpr, KP: tl.constexpr, GROUP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr,
     SEARCH_STEPS: tl.constexpr, STATIC: tl.constexpr, GATHER: tl.constexpr, SLOTS: tl.constexpr,
 ):
     # program (row block, K group)
     quant_block(tl.program_id(0), tl.program_id(1), x_ptr, stride_xm, stride_xk, q_ptr, s_ptr, perm_ptr, offsets_ptr,
-                act_scale_ptr, R, K, E, TOPK, GROUP, BLOCK_R, BLOCK_G, SEARCH_STEPS, STATIC, GATHER, SLOTS)
+                act_scale_ptr, R, K, E, TOPK, KP, GROUP, BLOCK_R, BLOCK_G, SEARCH_STEPS, STATIC, GATHER, SLOTS)
 
 
-def quant_launch_shape(rows: int, K: int, group: int) -> tuple[tuple[int, int], int, int]:
-    """(grid, BLOCK_R, BLOCK_G) for quantising ``rows`` x ``K`` in groups of ``group``."""
+def quant_launch_shape(rows: int, K: int, group: int, slots: int = 1) -> tuple[tuple[int, int], int, int]:
+    """(grid, BLOCK_R, BLOCK_G) for quantising ``rows`` x ``K`` in groups of ``group``,
+    each row into ``slots`` outputs (static slots: a row per slot of its token).  A
+    program takes up to 4096 outputs, and no more rows than there are (decode)."""
     block_g = next_power_of_2(group)
-    block_r = max(1, min(16, 4096 // block_g))
+    block_r = max(1, min(16, 4096 // (block_g * next_power_of_2(slots)), next_power_of_2(rows)))
     return (cdiv(rows, block_r), cdiv(K, group)), block_r, block_g

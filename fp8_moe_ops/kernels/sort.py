@@ -84,20 +84,21 @@ def _sort_kernel(ids_ptr, perm_ptr, offsets_ptr, cnt_ptr, n_cnt, S, E, BLOCK: tl
 def _sort_quant_kernel(ids_ptr, perm_ptr, offsets_ptr, cnt_ptr, n_cnt, S, E, sort_programs,
                        x_ptr, stride_xm, stride_xk, q_ptr, s_ptr, R, K, groups,
                        BLOCK: tl.constexpr, NB: tl.constexpr, NUM_BLOCKS: tl.constexpr, CNT_BLOCK: tl.constexpr,
-                       TOPK: tl.constexpr, STATIC: tl.constexpr, GROUP: tl.constexpr, BLOCK_R: tl.constexpr,
-                       BLOCK_G: tl.constexpr):
+                       TOPK: tl.constexpr, KP: tl.constexpr, STATIC: tl.constexpr, GROUP: tl.constexpr,
+                       BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr):
     """The sort (programs ``[0, sort_programs)``) and the quantisation of the
     activations (the rest, ``groups`` K groups per row block) in one launch: they are
     independent, and at decode each is a few microseconds of launch latency.  Dynamic:
-    x's R = T rows; static: the R = S slots in slot order, each with the scale
-    ``s_ptr[e]`` of its expert e (the sort is not needed for that)."""
+    x's R = T rows; static: each of the R = T rows into its TOPK slots (slot order),
+    each with the scale ``s_ptr[e]`` of its expert e (the sort is not needed for
+    that)."""
     pid = tl.program_id(0)
     if pid < sort_programs:
         sort_block(pid, ids_ptr, perm_ptr, offsets_ptr, cnt_ptr, n_cnt, S, E, BLOCK, NB, NUM_BLOCKS, CNT_BLOCK)
     else:
         j = pid - sort_programs
         quant_block(j // groups, j % groups, x_ptr, stride_xm, stride_xk, q_ptr, s_ptr, ids_ptr, ids_ptr, s_ptr, R, K,
-                    E, TOPK=TOPK, GROUP=GROUP, BLOCK_R=BLOCK_R, BLOCK_G=BLOCK_G, SEARCH_STEPS=1, STATIC=STATIC,
+                    E, TOPK=TOPK, KP=KP, GROUP=GROUP, BLOCK_R=BLOCK_R, BLOCK_G=BLOCK_G, SEARCH_STEPS=1, STATIC=STATIC,
                     GATHER=False, SLOTS=STATIC)
 
 
