@@ -10,7 +10,9 @@ One group of bars per (model, T) present in every run, one bar per run (label=pa
 JSON files written by the ``bench/`` scripts), and a target as a line.  ``--metric``,
 ``--variant``, ``--target`` (0: none), ``--ylabel`` and ``--title`` select another
 measurement, e.g. the CUDA-graph time of ``profile_layer`` runs (``graph_us``, variant
-``dynamic``).  Needs matplotlib (the ``bench`` extra); no GPU.
+``dynamic``); ``--relative`` plots each run as a fraction of the first run's value (a
+before / after of cases from decode to prefill in one figure), ``--min-tokens`` leaves out
+smaller T.  Needs matplotlib (the ``bench`` extra); no GPU.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ def main() -> int:
     p.add_argument("--variant", default="op grouped_experts")
     p.add_argument("--target", type=float, default=40.0, help="a horizontal line at this value (0: none)")
     p.add_argument("--ylabel", default="CPU µs per op call")
+    p.add_argument("--min-tokens", type=int, default=0, help="only cases with at least this many tokens")
+    p.add_argument("--relative", action="store_true", help="each run divided by the first run")
     p.add_argument("--title", default="torch.ops.fp8_moe.grouped_experts: host time per eager call (H200 host)")
     args = p.parse_args()
     import matplotlib
@@ -44,16 +48,20 @@ def main() -> int:
     import matplotlib.pyplot as plt
 
     runs = [(label, metric(path, args.metric, args.variant)) for label, path in (r.split("=", 1) for r in args.runs)]
-    cases = sorted(set.intersection(*(set(data) for _, data in runs)))
+    cases = sorted(c for c in set.intersection(*(set(data) for _, data in runs)) if c[1] >= args.min_tokens)
     width = 0.8 / len(runs)
     fig, ax = plt.subplots(figsize=(8, 4.5))
+    base = runs[0][1]
     for i, (label, data) in enumerate(runs):
-        ax.bar([c + i * width for c in range(len(cases))], [data[case] for case in cases], width, label=label)
+        values = [data[case] / base[case] if args.relative else data[case] for case in cases]
+        ax.bar([c + i * width for c in range(len(cases))], values, width, label=label)
     if args.target:
         ax.axhline(args.target, color="k", linestyle="--", label=f"target {args.target:g}")
     ax.set_xticks([c + width * (len(runs) - 1) / 2 for c in range(len(cases))])
     ax.set_xticklabels([f"{model}\nT={T}" for model, T in cases], fontsize=8)
     ax.set_ylabel(args.ylabel)
+    if args.relative:
+        ax.set_ylim(min(0.8, ax.get_ylim()[0]), None)
     ax.set_title(args.title, fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()
