@@ -169,7 +169,7 @@ def quant_block(pid_r, g, x_ptr, stride_xm, stride_xk, q_ptr, s_ptr, perm_ptr, o
 @triton.jit
 def _quant_kernel(
     x_ptr, stride_xm, stride_xk,  # x (rows of the source, K) float
-    q_ptr, s_ptr,                  # q (R, K) e4m3 contiguous; s (R, G) float32 (dynamic)
+    q_ptr, s_ptr,                  # q (R, K) e4m3 contiguous (SLOTS: (R * TOPK, K)); s (R, G) float32 (dynamic)
     perm_ptr, offsets_ptr, act_scale_ptr,
     R, K, E,
     TOPK: tl.constexpr, KP: tl.constexpr, GROUP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr,
@@ -183,7 +183,8 @@ def _quant_kernel(
 def quant_launch_shape(rows: int, K: int, group: int, slots: int = 1) -> tuple[tuple[int, int], int, int]:
     """(grid, BLOCK_R, BLOCK_G) for quantising ``rows`` x ``K`` in groups of ``group``,
     each row into ``slots`` outputs (static slots: a row per slot of its token).  A
-    program takes up to 4096 outputs, and no more rows than there are (decode)."""
+    program takes up to 16 rows and up to 4096 outputs (but always one row, whatever
+    its outputs), and no more rows than there are (decode)."""
     block_g = next_power_of_2(group)
     block_r = max(1, min(16, 4096 // (block_g * next_power_of_2(slots)), next_power_of_2(rows)))
     return (cdiv(rows, block_r), cdiv(K, group)), block_r, block_g
