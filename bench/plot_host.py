@@ -60,8 +60,6 @@ def main() -> int:
     ax.set_xticks([c + width * (len(runs) - 1) / 2 for c in range(len(cases))])
     ax.set_xticklabels([f"{model}\nT={T}" for model, T in cases], fontsize=8)
     ax.set_ylabel(args.ylabel)
-    if args.relative:
-        ax.set_ylim(min(0.8, ax.get_ylim()[0]), None)
     ax.set_title(args.title, fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()
