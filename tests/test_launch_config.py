@@ -91,7 +91,8 @@ def _launch_names(calls) -> list[str]:
         name = call.kernel.fn.__name__
         if name == "_grouped_gemm_kernel":
             c = call.constexprs
-            name = ("gate_up" if c["GATHER_A"] else "down") + ("+act" if c["GATED"] else "+combine" if c["COMBINE"] else "")
+            fused = "+act" if c["GATED"] else "+combine" if c["COMBINE"] else ""
+            name = ("gate_up" if c["GATHER_A"] else "down") + fused
         else:
             name = names[name]
         out.append(name)
@@ -126,7 +127,8 @@ def test_quantisation_programs_take_whole_tokens_and_no_more_rows_than_there_are
     assert c["BLOCK_R"] == block_r and c["BLOCK_G"] == 128
     assert c["TOPK"] == k or not static  # dynamic quantises x's rows, whatever the slots
     if quant.kernel.fn.__name__ == "_sort_quant_kernel":
-        row_programs = quant.grid[0] - quant.args[7]  # after the sort's programs
+        sort_programs = dict(zip(quant.kernel.arg_names, quant.args))["sort_programs"]
+        row_programs = quant.grid[0] - sort_programs  # the quantisation's come after the sort's
     else:
         row_programs = quant.grid[0] * quant.grid[1]
     assert row_programs == -(-T // block_r) * (7168 // 128)
