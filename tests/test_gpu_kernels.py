@@ -5,7 +5,8 @@ Marked ``gpu``; skipped without a CUDA device.  On the H200:
 comes from a seeded generator, so a failure reproduces.  What is checked:
 
 * activation quantisation (dynamic and static): bytes and scales bitwise equal to the
-  reference's, on random data and on every e4m3 rounding case;
+  reference's, on random data and on every e4m3 rounding case; NaN where the
+  reference's is NaN for NaN and infinite inputs, and a NaN token's output row NaN;
 * linear / grouped_mm / batched_mm / grouped_experts / batched_experts through
   ``torch.ops.fp8_moe`` on CUDA vs the same op on CPU, at adversarial shapes, static
   and dynamic, float32 and UE8M0 scales, per-tensor scales, bf16 / fp16 / fp32;
@@ -13,6 +14,8 @@ comes from a seeded generator, so a failure reproduces.  What is checked:
   NaN before each call, so an unwritten element reads back as NaN; rows of sentinel
   slots only (and grouped_mm rows past ``offsets[-1]``) must be exactly zero;
 * grouped == batched experts bitwise, and run to run;
+* at decode, the activation and the combine in the GEMMs' launches give the same bytes
+  as their own kernels;
 * a launch plan (recorded by an op's first call of an argument signature, replayed by
   later calls) equals the forward itself bitwise on new inputs of that signature;
 * ``grouped_experts`` captured in a CUDA graph and replayed with new routing equals an
@@ -28,7 +31,7 @@ import torch
 
 from fp8_moe_ops import reference
 from fp8_moe_ops import kernels
-from fp8_moe_ops.kernels import moe
+from fp8_moe_ops.kernels import experts, moe
 from fp8_moe_ops.kernels.experts import ARG_NAMES, ExpertsPlan
 
 from helpers import MODELS, make_expert_weights, make_experts_inputs, make_routing, rel_err, with_split_k
@@ -103,6 +106,42 @@ def test_dynamic_quantisation_bitwise(dtype, T, K, group):
     rq, rs = reference.quantize_act_dynamic(x, group)
     assert torch.equal(q.cpu().view(torch.uint8), rq.view(torch.uint8))
     assert torch.equal(s.cpu(), rs)
+
+
+def _assert_same_nan_then_bitwise(got: torch.Tensor, want: torch.Tensor) -> None:
+    """NaN exactly where ``want`` is NaN (a NaN byte's sign bit is the cast instruction's
+    choice), every other byte equal."""
+    nan = want.float().isnan()
+    assert torch.equal(got.float().isnan(), nan)
+    assert torch.equal(got[~nan].view(torch.uint8), want[~nan].view(torch.uint8))
+
+
+def test_nan_and_inf_inputs_quantise_as_the_reference():
+    x = torch.randn(6, 384, generator=torch.Generator().manual_seed(3))
+    x[1, 5] = float("nan")  # dynamic: the whole group's scale and bytes NaN, as torch's amax
+    x[2, 200] = -float("nan")
+    x[3, :] = float("nan")
+    x[4, 130] = float("inf")  # dynamic: scale inf, the inf itself NaN (inf / inf), the rest 0
+    q, s = moe._quantize(x.cuda(), 128, x.shape[0])
+    rq, rs = reference.quantize_act_dynamic(x, 128)
+    _assert_same_nan_then_bitwise(s.cpu(), rs)
+    _assert_same_nan_then_bitwise(q.cpu(), rq)
+    one = torch.ones(1)
+    q, _ = moe._quantize(x.cuda(), 128, x.shape[0], offsets=torch.tensor([x.shape[0]], dtype=torch.int32).cuda(),
+                         act_scale=one.cuda())
+    _assert_same_nan_then_bitwise(q.cpu(), reference.quantize_act_static(x, one))
+
+
+@pytest.mark.parametrize("T", [1, 6])
+def test_a_nan_in_a_token_makes_its_row_nan_and_no_other(T):
+    # T=1: the activation and the combine in the GEMMs' launches; T=6: their own kernels
+    args = make_experts_inputs(T, 4, 256, 128, 2, [128, 128], seed=3)
+    args["hidden"][T // 2, 7] = float("nan")
+    out = OPS.grouped_experts(**{key: _cuda(v) for key, v in args.items()}).cpu()
+    ref = OPS.grouped_experts(**args)
+    assert ref[T // 2].isnan().all()
+    assert torch.equal(out.isnan(), ref.isnan())
+    assert rel_err(out[~ref.isnan()], ref[~ref.isnan()]) < EXPERTS_BOUND
 
 
 # --------------------------------------------------------------------------- GEMMs
@@ -231,6 +270,27 @@ def test_experts_match_cpu(case, combo):
     _poison()
     assert torch.equal(OPS.batched_experts(**cargs), out)
     assert torch.equal(OPS.grouped_experts(**cargs), out)  # run to run
+
+
+@pytest.mark.parametrize("combo", ["bf16 dynamic silu", "bf16 e8m0 static per-tensor gelu_tanh limit",
+                                   "fp32 static relu"])
+@pytest.mark.parametrize("case", ["T=1", "decode, H/I not multiples", "decode, 16 slots, 6 groups of I",
+                                  "decode, block 32"])
+def test_fused_launches_equal_the_separate_kernels_bitwise(case, combo, monkeypatch):
+    # The fused launches are compiled without FMA contraction (for the activation's and
+    # the combine's roundings); the K loop's rescale must still be the FMA that the
+    # separate GEMM launches compile to, or decode outputs move by a rounding step.
+    T, E, H, I, k, block, routing = EXPERT_CASES[case]
+    dtype, scale_dtype, static, per_tensor, activation, limit = EXPERT_COMBOS[combo]
+    assert moe.down_split(T * k, E, H, I) == 1  # K ranges would sum in another order
+    args = make_experts_inputs(T, E, H, I, k, block, dtype, scale_dtype, static, routing, per_tensor, seed=T + E)
+    args.update(activation=activation, swiglu_limit=limit)
+    cargs = {key: _cuda(v) for key, v in args.items()}
+    fused = kernels.grouped_experts(**cargs)
+    monkeypatch.setattr(experts, "ACT_SLOTS", 0)
+    monkeypatch.setattr(experts, "COMBINE_SLOTS", 0)
+    assert len(experts.shape_calls(T, k, E, H, I, tuple(block))) == 5
+    assert torch.equal(kernels.grouped_experts(**cargs), fused)
 
 
 # --------------------------------------------------------------------------- CUDA graphs

@@ -9,10 +9,11 @@ file in a fresh process with the variable set, so the suite checks the kernels e
 way.  Tiny shapes and small blocks ([16, 16], [32, 32]) keep the interpreter fast.
 
 Interpreter caveats (docs/notes.md): its float32 -> e4m3 cast is wrong (126.24 -> 64,
-ties away from zero, subnormals -> 0) and its float32 -> bf16 cast truncates.  The
-kernels never rely on either: they round in float32 / integer arithmetic
-(``round_to_e4m3``, ``round_to``) and only cast exact values, the same code on the
-GPU.  So the quantised bytes are compared *bitwise* with torch here, and the GEMM
+ties away from zero, subnormals -> 0, NaN -> a number) and its float32 -> bf16 cast
+truncates.  Under the interpreter the kernels never rely on either: they round in
+float32 / integer arithmetic (``round_to_e4m3``, ``round_to``) and only cast exact
+values (on the GPU those helpers are the cast instructions, which round as torch
+does).  So the quantised bytes are compared *bitwise* with torch here, and the GEMM
 outputs differ from the reference only by float32 summation order (at most one ulp
 of the output dtype after rounding).  ``tests/test_gpu_kernels.py`` (marked ``gpu``)
 repeats these checks on the H200.
@@ -133,6 +134,21 @@ def test_dynamic_quantisation_bitwise(dtype, T, K, group):
     assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
     assert torch.equal(s, rs)
     assert s[0, 0] == 0 and not q.float().isnan().any()
+
+
+def test_nan_and_inf_quantise_to_torch_bytes():
+    # dynamic: a NaN makes its group's scale and bytes NaN (torch's amax keeps NaN), an inf
+    # its group's scale inf and itself NaN; static: NaN stays NaN (sign kept), inf saturates
+    x = torch.randn(4, 48, generator=torch.Generator().manual_seed(2))
+    x[0, 3], x[1, 20], x[2, 40] = float("nan"), -float("nan"), float("inf")
+    q, s = moe._quantize(x, 16, 4)
+    rq, rs = reference.quantize_act_dynamic(x, 16)
+    assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
+    torch.testing.assert_close(s, rs, rtol=0, atol=0, equal_nan=True)
+    assert s.isnan().sum() == 2 and q.float().isnan().sum() == 33
+    one = torch.ones(1)
+    q, _ = moe._quantize(x, 16, 4, offsets=torch.tensor([4], dtype=torch.int32), act_scale=one)
+    assert torch.equal(q.view(torch.uint8), reference.quantize_act_static(x, one).view(torch.uint8))
 
 
 # --------------------------------------------------------------------------- GEMMs

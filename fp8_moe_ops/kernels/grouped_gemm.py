@@ -36,7 +36,8 @@ column tile for all T (<= ``TB``) tokens into ``final_ptr`` (T, N).  The atomic 
 acquire/release at GPU scope after a CTA barrier, so the last program sees every row
 tile's stores; which program is last does not change a result.  Launched without FMA
 contraction (as the combine kernel), so the combine rounds each product as the reference
-does; the K loop's rescale is then a multiply and an add rather than one FMA.
+does; the K loop's rescale is an explicit ``tl.fma``, so it rounds as in an unfused
+launch (where the compiler contracts it to the same FMA).
 With ``SPLIT`` > 1 (decode, where too few (expert, column tile) programs would stream
 the weights: :func:`.config.gemm_config`) each program sums one of SPLIT ranges of K
 into float32 partials (S, SPLIT, N), every row tile and range counts, and the combine
@@ -233,7 +234,8 @@ def _grouped_gemm_kernel(
             else:
                 a_sv = tl.load(a_scale_ptr + arow * stride_asm + kg, mask=rmask, other=0.0)
                 scale = a_sv[:, None] * w_s[None, :]
-        acc += tl.dot(a, tl.trans(w)) * scale
+        # one FMA per element whatever the launch's fp_fusion: fused and unfused launches round alike
+        acc = tl.fma(tl.dot(a, tl.trans(w)), tl.broadcast_to(scale, (BM, BN)), acc)
         a_ptrs += BK
         w_ptrs += BK
 

@@ -49,7 +49,9 @@ def round_to_e4m3(v):
     y = tl.abs(v) * inv_step
     r = (y + 12582912.0) - 12582912.0
     res = ((r * step).to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
-    return res.to(tl.float8e4nv)
+    # the interpreter's cast turns NaN into a number: torch's NaN byte (0x7F, with v's sign)
+    nan = ((bits >> 24) & 0x80 | 0x7F).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+    return tl.where(v != v, nan, res.to(tl.float8e4nv))
 
 
 @triton.jit
@@ -80,10 +82,17 @@ def quantize_static(x, scale):
 
 
 @triton.jit
+def _max_keeping_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def quantize_dynamic(x):
     """x float32 (R, C), one quantisation group per row (columns past the group must
-    be 0) -> (q e4m3 (R, C), scale float32 (R,)), scale = amax / 448, 0 -> q = 0."""
-    amax = tl.max(tl.abs(x), axis=1)
+    be 0) -> (q e4m3 (R, C), scale float32 (R,)), scale = amax / 448, 0 -> q = 0.
+    A NaN in a group makes its amax, scale and every q NaN, as torch's ``amax``
+    (``tl.max`` would skip it on the GPU)."""
+    amax = tl.reduce(tl.abs(x), 1, _max_keeping_nan)
     s = tl.math.div_rn(amax, FP8_MAX)
     safe = tl.where(s == 0.0, 1.0, s)
     return quantize_static(x, safe[:, None]), s
