@@ -163,6 +163,29 @@ def floor_ms(flops: float, nbytes: float) -> float:
     return max(nbytes / COPY_BANDWIDTH, flops / FP8_DENSE_RATE) * 1e3
 
 
+# --------------------------------------------------------------------------- launch experiments
+
+
+def table_override(table: str) -> None:
+    """For the rest of the process: ``table`` ("KEY=VALUE,...", integer values; "KEY=none"
+    removes the key) set on every entry of the grouped GEMM's launch-config table, as if
+    checked in (so at a T whose rows per expert fall in one bucket, on that bucket's
+    entry).  Call before the first launch: launches and launch plans are cached."""
+    from fp8_moe_ops.kernels import config
+
+    pairs = (kv.split("=") for kv in table.split(","))
+    changes = {key: None if value == "none" else int(value) for key, value in pairs}
+
+    def change(entry: dict) -> dict:
+        entry = {**entry, **changes}
+        return {key: value for key, value in entry.items() if value is not None or key == "max_rows"}
+
+    shipped = config._table()
+    patched = {"default": [change(e) for e in shipped["default"]],
+               "shapes": {shape: [change(e) for e in entries] for shape, entries in shipped["shapes"].items()}}
+    config._table = lambda: patched
+
+
 # --------------------------------------------------------------------------- timers
 
 

@@ -1,11 +1,14 @@
 """GPU time per kernel of one ``fp8_moe::grouped_experts`` call (torch.profiler).
 
     PYTHONPATH=. python bench/profile_layer.py --out-dir OUT [--cases "qwen3_30b_a3b:1,8;..."]
+        [--table maxnreg=none] [--name profile_layer]
 
 For each (model, T), dynamic and static activation scales: the median over 20 calls of
 every kernel's device time, their sum, and the CUDA-graph replay time of the whole call
 (the gap between them is the cost of launches and of the GPU idling between dependent
-kernels).  Writes ``OUT/profile_layer.json`` / ``.md``; exits 1 if any case failed.
+kernels).  ``--table`` changes the launch-config table for the run
+(:func:`common.table_override`): the experiment that decides a setting.  Writes
+``OUT/<--name>.json`` / ``.md``; exits 1 if any case failed.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import fp8_moe_ops  # noqa: F401  (registers torch.ops.fp8_moe)
 from common import (BLOCK, MODELS, ExperimentConfig, Runner, graph_ms, layer_inputs, layer_weights, parse_sweep,
-                    results_table, static_scales)
+                    results_table, static_scales, table_override)
 
 CASES = {"deepseek_v3": [1, 8, 16384], "qwen3_30b_a3b": [1, 8, 64, 16384], "mixtral_8x7b": [1, 8, 16384]}
 CALLS = 20
@@ -46,8 +49,13 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out-dir", required=True)
     p.add_argument("--cases", default=None, help="model:T,T;... (default: CASES)")
+    p.add_argument("--table", default=None,
+                   help="KEY=VALUE,... set on every entry of the launch-config table (e.g. maxnreg=none)")
+    p.add_argument("--name", default="profile_layer", help="output files OUT/<name>.json and .md")
     args = p.parse_args()
-    runner = Runner("profile_layer", args.out_dir)
+    if args.table:
+        table_override(args.table)
+    runner = Runner(args.name, args.out_dir)
     gen = torch.Generator(device="cuda").manual_seed(5)
     for name, tokens in (parse_sweep(args.cases) if args.cases else CASES).items():
         model = MODELS[name]

@@ -59,6 +59,20 @@ def test_decode_down_with_fused_combine_splits_k_before_narrowing():
     assert "SPLIT" not in gemm_config(8 * 4096, 8, 4096, 14336, True)  # prefill: no decode entry
 
 
+def test_decode_programs_take_at_most_128_registers_except_split_k():
+    # 4 programs of 4 warps per SM at decode: mixtral_8x7b's gate_up with the activation
+    # in its launch took 144 registers (3 per SM, and its 448 programs a second wave); a
+    # split-K launch is sized to one wave and ran slower capped
+    from fp8_moe_ops.kernels import experts
+
+    E, H, I, k = MODELS["mixtral_8x7b"]
+    gate_up, down = experts.shape_calls(1, k, E, H, I, (128, 128))[1:]
+    assert gate_up.options["maxnreg"] == 128
+    assert down.constexprs["SPLIT"] > 1 and "maxnreg" not in down.options
+    assert gemm_config(2, E, 4096, 14336)["maxnreg"] == 128  # the same shape unsplit
+    assert "maxnreg" not in experts.shape_calls(4096, k, E, H, I, (128, 128))[1].options  # prefill
+
+
 def test_tiny_problems_get_no_tile_wider_than_the_problem():
     cfg = gemm_config(3, 2, 24, 40)
     assert cfg["BM"] == 16 and cfg["BN"] == 32

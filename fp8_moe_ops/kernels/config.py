@@ -9,7 +9,9 @@ of the SMs (264 in the table: two per SM of the H200's 132; a GPU with many more
 would want its own table).  For the down GEMM with the combine in its launch
 (``split_k``) such an entry splits K into up to ``K / 1024`` ranges (``SPLIT``) where
 narrowing alone would go to 32-column tiles: programs of the full ``BN`` stream wider
-weight tiles.  ``BN`` then narrows if that is not enough.  The table was written from
+weight tiles.  ``BN`` then narrows if that is not enough.  An entry's optional
+``maxnreg`` caps a program's registers, so that enough programs fit an SM (dropped for
+a split-K launch).  The table was written from
 the sweep of ``bench/tune.py`` on an H200 (winners per bucket, by hand: see
 docs/benchmarks.md); other GPUs use the same table.
 """
@@ -63,6 +65,10 @@ def gemm_config(S: int, E: int, N: int, K: int, split_k: bool = False) -> dict:
                 # at about half the rate of 128-wide ones (mixtral_8x7b's down GEMM at T=1)
                 split = max(1, min(cdiv(min_programs, groups * cdiv(N, cfg["BN"])), K // MIN_SPLIT_K))
             cfg["SPLIT"] = split
+            if split > 1:
+                # sized to about one wave already: the register cap (the table's maxnreg, for
+                # the programs per SM) only slowed it (mixtral_8x7b T=1 / 2: +2 / +8 us)
+                cfg.pop("maxnreg", None)
         while cfg["BN"] > 32 and groups * cdiv(N, cfg["BN"]) * split < min_programs:
             cfg["BN"] //= 2
     return cfg

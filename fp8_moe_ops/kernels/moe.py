@@ -147,6 +147,8 @@ def _gemm_call(q, q_scale, w, w_scale, block, out, *, offsets=None, perm=None, g
         ws_strides, one_scale_row = _scale_strides(w_scale), w_scale.shape[1] == 1
     dummy = out
     options = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if "maxnreg" in cfg:
+        options["maxnreg"] = cfg["maxnreg"]
     # the combine's and the activation's arguments; `counters` serves both
     ids = weights = final = partials = counters = dummy
     T, tb, kp = 0, 1, 2
