@@ -50,15 +50,20 @@ def main() -> int:
     runs = [(label, metric(path, args.metric, args.variant)) for label, path in (r.split("=", 1) for r in args.runs)]
     cases = sorted(c for c in set.intersection(*(set(data) for _, data in runs)) if c[1] >= args.min_tokens)
     width = 0.8 / len(runs)
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig, ax = plt.subplots(figsize=(max(8.0, 0.8 * len(cases)), 4.5))
     base = runs[0][1]
+    shown = []
     for i, (label, data) in enumerate(runs):
         values = [data[case] / base[case] if args.relative else data[case] for case in cases]
         ax.bar([c + i * width for c in range(len(cases))], values, width, label=label)
+        shown += values
     if args.target:
         ax.axhline(args.target, color="k", linestyle="--", label=f"target {args.target:g}")
+    if args.relative:  # the differences are a few per cent: no axis from 0
+        ax.axhline(1.0, color="grey", linewidth=0.8)
+        ax.set_ylim(min(shown) - 0.02, max(shown) + 0.02)
     ax.set_xticks([c + width * (len(runs) - 1) / 2 for c in range(len(cases))])
-    ax.set_xticklabels([f"{model}\nT={T}" for model, T in cases], fontsize=8)
+    ax.set_xticklabels([f"{model.split('_')[0]}\nT={T}" for model, T in cases], fontsize=8)
     ax.set_ylabel(args.ylabel)
     ax.set_title(args.title, fontsize=10)
     ax.legend(fontsize=8)
