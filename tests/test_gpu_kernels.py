@@ -233,11 +233,12 @@ EXPERT_CASES = {  # T, E, H, I, top_k, block, routing (tests/helpers.make_routin
     "sentinels": (257, 9, 512, 384, 3, [128, 128], "sentinel"),
     "block 32": (100, 4, 160, 96, 2, [32, 32], "sentinel"),
     "mid-size": (600, 16, 1024, 512, 4, [128, 128], "uniform"),
-    # decode (T * k <= 16): the combine in the down GEMM's launch, and the activation in
-    # the gate_up GEMM's where T * k <= 8 (block 32: 6 slots; the others 12 and 16)
+    # decode (T * k <= 64): the combine in the down GEMM's launch, and the activation in
+    # the gate_up GEMM's where T * k <= 16 (block 32: 6 slots; the others 12, 16 and 32)
     "decode, H/I not multiples": (3, 13, 400, 200, 4, [128, 128], "sentinel"),
     "decode, 16 slots, 6 groups of I": (2, 16, 512, 768, 8, [128, 128], "uniform"),
     "decode, block 32": (3, 4, 160, 96, 2, [32, 32], "empty"),
+    "decode, 32 slots, activation on its own": (8, 8, 256, 256, 4, [128, 128], "uniform"),
 }
 EXPERT_COMBOS = {  # activation dtype, scale dtype, static, per-tensor weight scales, activation, swiglu_limit
     "bf16 dynamic silu": (torch.bfloat16, torch.float32, False, False, "silu", None),
@@ -275,7 +276,7 @@ def test_experts_match_cpu(case, combo):
 @pytest.mark.parametrize("combo", ["bf16 dynamic silu", "bf16 e8m0 static per-tensor gelu_tanh limit",
                                    "fp32 static relu"])
 @pytest.mark.parametrize("case", ["T=1", "decode, H/I not multiples", "decode, 16 slots, 6 groups of I",
-                                  "decode, block 32"])
+                                  "decode, block 32", "decode, 32 slots, activation on its own"])
 def test_fused_launches_equal_the_separate_kernels_bitwise(case, combo, monkeypatch):
     # The fused launches are compiled without FMA contraction (for the activation's and
     # the combine's roundings); the K loop's rescale must still be the FMA that the

@@ -89,7 +89,8 @@ def test_block_k(bk, step):
 LAUNCHES = {
     4: ["sort+quant", "gate_up+act", "down+combine"],
     8: ["sort+quant", "gate_up+act", "down+combine"],
-    12: ["sort+quant", "gate_up", "act", "down+combine"],
+    16: ["sort+quant", "gate_up+act", "down+combine"],
+    20: ["sort+quant", "gate_up", "act", "down+combine"],
     64: ["sort+quant", "gate_up", "act", "down+combine"],
     68: ["sort+quant", "gate_up", "act", "down", "combine"],
     2048: ["sort+quant", "gate_up", "act", "down", "combine"],

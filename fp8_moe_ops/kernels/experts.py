@@ -10,7 +10,7 @@ Layout of the forward (S = T * k slots, slot ``t*k + j`` is token t's j-th choic
    with their expert's scale, in slot order (that needs the ids, not the sort);
 3. gate_up GEMM, A rows gathered by ``perm // k`` (static: ``perm``) -> h (S, 2I) in
    sorted order;
-4. gated activation + quantisation -> (S, I) fp8; for S <= 8 (``ACT_SLOTS``: decode)
+4. gated activation + quantisation -> (S, I) fp8; for S <= 16 (``ACT_SLOTS``: decode)
    in the gate_up GEMM's launch, by the last row tile to finish each quantisation
    group (:mod:`.grouped_gemm`), with counters the sort zeroes;
 5. down GEMM, output rows scattered by ``perm`` -> y (S, H) in slot order (at decode
@@ -65,9 +65,10 @@ _ALIGN = 256  # bytes from one workspace buffer to the next (the kernels need 16
 # column tile combines all T tokens' slots there, so its share grows with S)
 COMBINE_SLOTS = 64
 # at most this many slots (and <= COMBINE_SLOTS: the counters): the activation runs in the
-# gate_up GEMM's launch.  On the H200 that saved 4-6 us of a T=1 layer (8 slots or fewer) in
-# a CUDA graph; at 16 slots deepseek_v3 lost 9 % and at 64 qwen3_30b_a3b 7 % (docs/benchmarks.md)
-ACT_SLOTS = 8
+# gate_up GEMM's launch.  On the H200 (with decode programs capped at 128 registers) that
+# saved 4-6 us of a T=1 layer in a CUDA graph and 1-2.5 % at 16 slots; at 64 slots qwen3_30b_a3b
+# T=8 lost 5-6 % and mixtral_8x7b T=32 2 % (docs/benchmarks.md)
+ACT_SLOTS = 16
 
 # the experts ops' arguments, in schema order
 ARG_NAMES = ("hidden", "top_k_index", "top_k_weights", "gate_up_proj", "gate_up_scale_inv", "down_proj",
