@@ -54,7 +54,7 @@ from ..functional import cdiv, next_power_of_2
 from .activation import ACT_IDS, _gated_act_quant_kernel
 from .combine import combine_call
 from .launch import KernelCall, cached, launch
-from .moe import _block, _flat, _gemm_call, _quant_call, down_split
+from .moe import Combine, Gated, _block, _flat, _gemm_call, _quant_call, down_split
 from .quant import quant_launch_shape
 from .sort import CNT_STEP, MAX_SLOTS, _sort_quant_kernel, sort_launch_shape
 
@@ -181,7 +181,7 @@ def _calls(env: dict, E: int, I: int, block: tuple[int, int], activation: str, s
     gated = None
     act_counters = None if counters is None else _counters(S, hidden.shape[1], I, bk)[1]
     if act_counters is not None:
-        gated = (a_q, a_s, counters, activation, swiglu_limit, static_down, act_counters)
+        gated = Gated(a_q, a_s, counters, activation, swiglu_limit, static_down, act_counters)
     calls.append(_gemm_call(q, q_scale, *gate_up, block, h, **gemm, gated=gated))
     if gated is None:
         grid, block_r, block_g = quant_launch_shape(S, I, bk)
@@ -195,7 +195,7 @@ def _calls(env: dict, E: int, I: int, block: tuple[int, int], activation: str, s
     # down: y (S, H) back in slot order (sentinel slots' rows are zero or unwritten, and
     # never read), then the combine, in the same launch where there are counters
     weights, out = env["top_k_weights"], env["out"]
-    fused = (ids, weights, out, counters, env.get("partials")) if counters is not None else None
+    fused = Combine(ids, weights, out, counters, env.get("partials")) if counters is not None else None
     calls.append(_gemm_call(a_q, a_s, *down, block, y, offsets=offsets, perm=perm, scatter_out=True,
                             static=static_down, combine=fused))
     if fused is None:

@@ -11,6 +11,7 @@ nothing); the ``_sort_slots`` / ``_quantize`` / ``_gemm`` wrappers allocate and 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -102,24 +103,37 @@ def _scale_strides(scale: torch.Tensor) -> tuple[int, int, int]:
     return se, (0 if scale.shape[1] == 1 else sn), (0 if scale.shape[2] == 1 else sk)
 
 
+class Combine(NamedTuple):
+    """The weighted combine in the down GEMM's launch (``COMBINE`` in :mod:`.grouped_gemm`)."""
+
+    top_k_index: torch.Tensor  # (T, k)
+    top_k_weights: torch.Tensor  # (T, k)
+    final: torch.Tensor  # (T, N): the layer's output
+    counters: torch.Tensor  # int32, at least one per column tile (cdiv(N, 16) always is), zeroed before
+    partials: torch.Tensor | None  # float32 (S, down_split, N) where that is above 1, else None
+
+
+class Gated(NamedTuple):
+    """The gated activation and its quantisation in the gate_up GEMM's launch (``GATED``)."""
+
+    a_q: torch.Tensor  # (S, I) e4m3 out
+    a_scale: torch.Tensor  # dynamic: (S, cdiv(I, bk)) float32 out; static: the (E,) input
+    counters: torch.Tensor  # int32, cdiv(I, bk) of them from `offset` on, zeroed before
+    activation: str
+    swiglu_limit: float | None
+    static: bool
+    offset: int
+
+
 def _gemm_call(q, q_scale, w, w_scale, block, out, *, offsets=None, perm=None, gather_a=False, scatter_out=False,
-               static=False, topk=1, combine=None, gated=None) -> KernelCall | None:
+               static=False, topk=1, combine: Combine | None = None, gated: Gated | None = None) -> KernelCall | None:
     """The launch of ``out[rows] = q[rows] @ dequant(w[expert])^T`` over the
     expert-sorted rows (None when there are none).
 
-    ``combine``: ``(top_k_index, top_k_weights, final, counters, partials)`` also
-    combines ``out`` (the slot-order (T*k, N) y of the experts forward, contiguous) into
-    ``final`` (T, N) in the same launch (``COMBINE`` in :mod:`.grouped_gemm`);
-    ``counters`` int32, at least one per column tile (``cdiv(N, 16)`` always is), zeroed
-    before the launch; ``partials`` float32 (S, :func:`down_split`, N) where that is
-    above 1, else None.
-
-    ``gated``: ``(a_q, a_scale, counters, activation, swiglu_limit, static, offset)``
-    also runs the gated activation of ``out`` (the sorted (S, 2I) h of the experts
-    forward) and its quantisation into ``a_q`` (S, I) e4m3 and, dynamic, its scales
-    ``a_scale`` (S, cdiv(I, bk)) (static: ``a_scale`` is the (E,) input) in the same
-    launch (``GATED`` in :mod:`.grouped_gemm`); ``counters`` int32, from ``offset`` on
-    ``cdiv(I, bk)`` of them (one per group of I), zeroed before the launch.
+    ``combine`` also combines ``out`` (the slot-order (T*k, N) y of the experts forward,
+    contiguous) into ``combine.final`` in the same launch.  ``gated`` also runs the
+    gated activation of ``out`` (the sorted (S, 2I) h of the experts forward) and its
+    quantisation into ``gated.a_q`` in the same launch.
 
     ``w`` is the stacked (E, N, K) tensor with its grid ``w_scale`` (float32, or UE8M0
     as ``float8_e8m0fnu`` or its ``uint8`` bytes), or a :class:`WeightTable`
@@ -163,12 +177,12 @@ def _gemm_call(q, q_scale, w, w_scale, block, out, *, offsets=None, perm=None, g
     act, act_meta = (dummy, dummy, 0.0), dict(GATED=False, ACT=0, HAS_LIMIT=False, ACT_STATIC=False, NG=1, CNT_OFF=0,
                                                 ROWS=1, RB=1, BLOCK_G=1)
     if gated is not None:
-        a_q, a_scale, counters, activation, limit, act_static, cnt_off = gated
-        act = (a_q, a_scale, float(limit) if limit is not None else 0.0)
+        counters, limit = gated.counters, gated.swiglu_limit
+        act = (gated.a_q, gated.a_scale, float(limit) if limit is not None else 0.0)
         rows = next_power_of_2(S)
-        act_meta = dict(GATED=True, ACT=ACT_IDS[activation], HAS_LIMIT=limit is not None, ACT_STATIC=act_static,
-                        NG=cdiv(BN - 1, bk) + 1, CNT_OFF=cnt_off, ROWS=rows, RB=min(rows, 16),
-                        BLOCK_G=next_power_of_2(bk))
+        act_meta = dict(GATED=True, ACT=ACT_IDS[gated.activation], HAS_LIMIT=limit is not None,
+                        ACT_STATIC=gated.static, NG=cdiv(BN - 1, bk) + 1, CNT_OFF=gated.offset, ROWS=rows,
+                        RB=min(rows, 16), BLOCK_G=next_power_of_2(bk))
         options["enable_fp_fusion"] = False  # as the activation kernel: the reference's roundings
     bk_step = block_k(bk)
     return KernelCall(_grouped_gemm_kernel, grid, (
