@@ -105,6 +105,19 @@ def test_parse_sweep(common):
         common.parse_sweep("llama:1")
 
 
+def test_table_override_changes_every_entry_and_removes_keys(common, monkeypatch):
+    from fp8_moe_ops.kernels import config
+
+    monkeypatch.setattr(config, "_table", config._table)  # restored after the test
+    assert config.gemm_config(2, 8, 28672, 4096)["maxnreg"] == 128  # the shipped decode entry
+    common.table_override("maxnreg=none,num_stages=3")
+    for S in (2, 8192):  # decode and prefill entries, default and per-shape lists
+        for N, K in ((28672, 4096), (4096, 7168)):
+            cfg = config.gemm_config(S, 8, N, K)
+            assert "maxnreg" not in cfg and cfg["num_stages"] == 3
+    assert config.gemm_config(8192, 8, 28672, 4096)["BM"] == 128  # the rest as shipped
+
+
 def test_bench_moe_table_from_results(common, monkeypatch):
     bench_moe = _load("bench_moe", monkeypatch)
     runner = common.Runner("bench_moe")
