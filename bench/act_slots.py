@@ -20,8 +20,7 @@ import sys
 import torch
 
 import fp8_moe_ops  # noqa: F401  (registers torch.ops.fp8_moe)
-from common import (BLOCK, MODELS, ExperimentConfig, Runner, graph_ms, layer_inputs, layer_weights, parse_sweep,
-                    results_table, static_scales)
+from common import BLOCK, ExperimentConfig, Runner, each_scheme_case, graph_ms, parse_sweep, results_table
 from fp8_moe_ops.kernels import experts as kernels
 
 CASES = {"deepseek_v3": [2, 8], "qwen3_30b_a3b": [2, 8], "mixtral_8x7b": [2, 8, 32]}
@@ -58,18 +57,12 @@ def main() -> int:
     runner = Runner("act_slots", args.out_dir)
     gen = torch.Generator(device="cuda").manual_seed(5)
     thresholds = (kernels.ACT_SLOTS, args.slots)
-    for name, tokens in (parse_sweep(args.cases) if args.cases else CASES).items():
-        model = MODELS[name]
-        w = layer_weights(model, gen)
-        act = {"dynamic": (None, None), "static": static_scales(model, gen)}
-        for T in tokens:
-            x, idx, wts = layer_inputs(model, T, gen)
-            for scheme, scales in act.items():
-                runner.run(ExperimentConfig("act_slots", name, T, scheme, params=(("slots", args.slots),)),
-                           lambda s=scales: compare(
-                               lambda: kernels.grouped_experts(x, idx, wts, *w, BLOCK, "silu", *s), thresholds))
-        del w
-        torch.cuda.empty_cache()
+
+    def run(name, T, w, inputs, scheme, scales):
+        runner.run(ExperimentConfig("act_slots", name, T, scheme, params=(("slots", args.slots),)), lambda: compare(
+            lambda: kernels.grouped_experts(*inputs, *w, BLOCK, "silu", *scales), thresholds))
+
+    each_scheme_case(parse_sweep(args.cases) if args.cases else CASES, gen, run)
     runner.save(results_table(runner.results, [
         ("model", "model", ""), ("T", "tokens", ""), ("scheme", "variant", ""),
         ("graph µs, shipped", "us_shipped", ".1f"), ("graph µs, larger", "us_larger", ".1f"),

@@ -124,6 +124,28 @@ def layer_inputs(model: Model, T: int, gen: torch.Generator, kind: str = "unifor
     return (x, *make_routing(T, model.E, model.top_k, kind, gen, device))
 
 
+def each_scheme_case(sweep: Mapping[str, Sequence[int]], gen: torch.Generator, run: Callable[..., Any],
+                     after_model: Callable[[], Any] | None = None, device: str = "cuda") -> None:
+    """``run(name, T, weights, (x, top_k_index, top_k_weights), scheme, act_scales)`` for
+    every model of ``sweep`` (name -> token counts), T and scheme: ``"dynamic"`` with act
+    scales ``(None, None)``, then ``"static"`` with random ones.  Draws from ``gen`` per
+    model its weights and static scales, then per T its inputs.  A model's weights are
+    freed (and the CUDA cache emptied) before the next model's are made; ``after_model()``
+    runs after each model."""
+    for name, tokens in sweep.items():
+        model = MODELS[name]
+        weights = layer_weights(model, gen, device)
+        schemes = {"dynamic": (None, None), "static": static_scales(model, gen, device)}
+        for T in tokens:
+            inputs = layer_inputs(model, T, gen, device=device)
+            for scheme, scales in schemes.items():
+                run(name, T, weights, inputs, scheme, scales)
+        del weights, schemes
+        torch.cuda.empty_cache()
+        if after_model is not None:
+            after_model()
+
+
 def experts_module(model: Model, weights: LayerWeights, dispatch: str):
     """``fp8_moe_ops.FP8Experts`` (dynamic scheme) holding ``weights`` (no copy)."""
     import fp8_moe_ops

@@ -21,8 +21,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import fp8_moe_ops  # noqa: F401  (registers torch.ops.fp8_moe)
-from common import (BLOCK, MODELS, ExperimentConfig, Runner, graph_ms, layer_inputs, layer_weights, parse_sweep,
-                    results_table, static_scales, table_override)
+from common import (BLOCK, ExperimentConfig, Runner, each_scheme_case, graph_ms, parse_sweep, results_table,
+                    table_override)
 
 CASES = {"deepseek_v3": [1, 8, 16384], "qwen3_30b_a3b": [1, 8, 64, 16384], "mixtral_8x7b": [1, 8, 16384]}
 CALLS = 20
@@ -57,19 +57,13 @@ def main() -> int:
         table_override(args.table)
     runner = Runner(args.name, args.out_dir)
     gen = torch.Generator(device="cuda").manual_seed(5)
-    for name, tokens in (parse_sweep(args.cases) if args.cases else CASES).items():
-        model = MODELS[name]
-        w = layer_weights(model, gen)
-        act = {"dynamic": (None, None), "static": static_scales(model, gen)}
-        for T in tokens:
-            x, idx, wts = layer_inputs(model, T, gen)
-            for scheme, scales in act.items():
-                runner.run(ExperimentConfig("profile", name, T, scheme),
-                           lambda s=scales: kernel_times(
-                               lambda: torch.ops.fp8_moe.grouped_experts(x, idx, wts, *w, BLOCK, "silu", *s)))
-        del w
-        torch.cuda.empty_cache()
-        runner.save(table(runner))
+
+    def run(name, T, w, inputs, scheme, scales):
+        runner.run(ExperimentConfig("profile", name, T, scheme), lambda: kernel_times(
+            lambda: torch.ops.fp8_moe.grouped_experts(*inputs, *w, BLOCK, "silu", *scales)))
+
+    each_scheme_case(parse_sweep(args.cases) if args.cases else CASES, gen, run,
+                     after_model=lambda: runner.save(table(runner)))
     return runner.exit_code()
 
 

@@ -89,6 +89,31 @@ def test_inputs_on_cpu(common):
         common.make_routing(4, 16, 2, "zipf", gen, device="cpu")
 
 
+def test_each_scheme_case_draws_weights_scales_then_inputs_per_model(common, monkeypatch):
+    tiny, small = common.Model("tiny", E=4, H=128, I=128, top_k=2), common.Model("small", E=6, H=256, I=128, top_k=3)
+    monkeypatch.setitem(common.MODELS, "tiny", tiny)
+    monkeypatch.setitem(common.MODELS, "small", small)
+    calls, saved = [], []
+    common.each_scheme_case({"tiny": [1, 3], "small": [2]}, torch.Generator().manual_seed(4),
+                            lambda *case: calls.append(case), after_model=lambda: saved.append(len(calls)),
+                            device="cpu")
+    assert [(name, T, scheme) for name, T, _, _, scheme, _ in calls] == [
+        ("tiny", 1, "dynamic"), ("tiny", 1, "static"), ("tiny", 3, "dynamic"), ("tiny", 3, "static"),
+        ("small", 2, "dynamic"), ("small", 2, "static")]
+    assert saved == [4, 6]
+    # the draws of the inline loops it replaced, in their order
+    gen = torch.Generator().manual_seed(4)
+    for model, tokens, first in ((tiny, [1, 3], 0), (small, [2], 4)):
+        w = common.layer_weights(model, gen, device="cpu")
+        scales = common.static_scales(model, gen, device="cpu")
+        for i, T in enumerate(tokens):
+            inputs = common.layer_inputs(model, T, gen, device="cpu")
+            dynamic, static = calls[first + 2 * i], calls[first + 2 * i + 1]
+            assert all(torch.equal(a, b) for a, b in zip(dynamic[2], w)) and dynamic[2] is static[2]
+            assert all(torch.equal(a, b) for a, b in zip(dynamic[3], inputs)) and dynamic[3] is static[3]
+            assert dynamic[5] == (None, None) and all(torch.equal(a, b) for a, b in zip(static[5], scales))
+
+
 def test_floor_is_the_larger_term(common):
     m = common.MODELS["deepseek_v3"]
     assert common.layer_flops(m, 1) == 6 * 8 * 7168 * 2048
