@@ -13,8 +13,10 @@ On qwen3_30b_a3b's layer at T=1 (uniform routing, dynamic scales), µs of CPU pe
 * ``JIT launch`` / ``cached launch``: one combine kernel launch through
   ``kernel[grid](...)`` and through ``fp8_moe_ops.kernels.launch.Launch`` (after its
   first call);
-* ``compiled launcher``: the same launch through the compiled binary's launcher with
-  the argument list ready (addresses as integers): what a launch plan does per kernel;
+* ``Triton's launcher``: the same launch through the compiled kernel's launcher object
+  with the argument list ready (addresses as integers);
+* ``compiled launcher``: the same, through the C function behind that object
+  (``fp8_moe_ops.kernels.launch.direct``): what a launch plan does per kernel;
 * ``signature key``: the op's key of its arguments' metadata (``ops.meta_key``);
 * ``launch plan``: the op's launch plan for the call, called directly;
 * ``op``: ``torch.ops.fp8_moe.grouped_experts``, for scale.
@@ -59,10 +61,12 @@ def parts(model_name: str) -> dict:
     grid, kp, block_h = combine_launch_shape(T, H, k)
     constexprs = dict(TOPK=k, KP=kp, BLOCK_H=block_h)
     args = (y, ids, weights, out, T, H, model.E)
+    compiled = _combine_kernel[grid](*args, **constexprs, enable_fp_fusion=False)
     cached = Launch(_combine_kernel, grid, constexprs, enable_fp_fusion=False)
-    cached(*args)  # compiles
-    run, function, metadata, _ = cached.compiled()
+    cached(*args)
+    launcher, head, _ = cached.compiled()
     full = cached.full_args([a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args])
+    g = cached.grid
     stream = torch.cuda.current_stream().cuda_stream
     op_args = (x, idx, wts, *w, BLOCK, "silu", None, None, None)
     plans = {}
@@ -75,7 +79,9 @@ def parts(model_name: str) -> dict:
         "torch.empty": lambda: torch.empty((8, 4096), dtype=torch.bfloat16, device="cuda"),
         "JIT launch": lambda: _combine_kernel[grid](*args, **constexprs, enable_fp_fusion=False),
         "cached launch": lambda: cached(*args),
-        "compiled launcher": lambda: run(*cached.grid, stream, function, metadata, None, None, None, *full),
+        "Triton's launcher": lambda: compiled.run(*g, stream, compiled.function, compiled.packed_metadata, None, None,
+                                                  None, *full),
+        "compiled launcher": lambda: launcher(*g, stream, *head, *full),
         "signature key": lambda: ops.meta_key(op_args),
         "launch plan": lambda: kernels.planned_experts(plans, "sig", op_args),
         "op": lambda: torch.ops.fp8_moe.grouped_experts(x, idx, wts, *w, BLOCK),

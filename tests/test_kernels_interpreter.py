@@ -634,6 +634,80 @@ def test_launch_cache_keys_on_argument_specialisation():
     assert [key[0] for key in added] == [_sort_quant_kernel]
 
 
+def test_direct_launch_passes_what_tritons_launcher_passes():
+    # the C function behind Triton's CUDA launcher object gets the same arguments from
+    # launch.direct as from the object itself (the installed Triton's code, a fake C function)
+    from types import SimpleNamespace
+
+    from triton.backends.nvidia.driver import CudaLauncher
+
+    from fp8_moe_ops.kernels.launch import direct
+
+    def launcher(global_scratch, profile_scratch):
+        got = []
+        return got, SimpleNamespace(launch=lambda *a: got.append(a), num_ctas=1, launch_cooperative_grid=False,
+                                    launch_pdl=True, global_scratch_size=global_scratch, global_scratch_align=1,
+                                    profile_scratch_size=profile_scratch, profile_scratch_align=1)
+
+    got, run = launcher(0, 0)
+    CudaLauncher.__call__(run, 2, 3, 1, 55, "function", "metadata", None, None, None, 1234, 7, None)
+    fn, head = direct(run, "function", "metadata")
+    assert fn is run.launch
+    fn(2, 3, 1, 55, *head, 1234, 7, None)
+    assert len(got) == 2 and got[0] == got[1]
+    for sizes in ((256, 0), (0, 64)):  # scratch memory: the launcher object allocates it
+        _, run = launcher(*sizes)
+        assert direct(run, "function", "metadata") == (run, ("function", "metadata", None, None, None))
+
+
+def test_a_compiled_plan_hands_each_launcher_the_new_calls_addresses(monkeypatch):
+    # ExpertsPlan's GPU path with fake launchers: each recorded launch gets its grid, the
+    # current stream and its argument list, every tensor replaced by the address of the
+    # new call's tensor of the same name (the output and the workspace's buffers: this
+    # replay's allocations, the buffers at the layout's offsets)
+    from types import SimpleNamespace
+
+    from fp8_moe_ops.kernels import launch
+
+    first = _positional(*_experts_args("sentinels", torch.bfloat16, torch.float32, True, seed=11))
+    second = _positional(*_experts_args("sentinels", torch.bfloat16, torch.float32, True, seed=12))
+    sources = experts._stacked_sources(first)
+    _, env, layout, calls = experts._stacked(first, sources)
+    got = []
+    head = ("function", False, False, None, None, "metadata", None, None, None)
+    monkeypatch.setattr(launch.Launch, "compiled", lambda self: (lambda *a: got.append(a), head, 3))
+    current = SimpleNamespace(get_current_device=lambda: 3, get_current_stream=lambda device: 100 + device)
+    monkeypatch.setattr(experts, "driver", SimpleNamespace(active=current))
+    plan = experts.ExpertsPlan.record(list(sources), env, layout, calls)
+    assert plan.device == 3 and len(calls) == 4  # sort + quantise, gate_up, activation, down + combine
+    new = experts._stacked_sources(second)
+    made, empty = [], torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: made.append(empty(*a, **kw)) or made[-1])
+    out = plan.run(list(new.values()), second[0])
+    monkeypatch.setattr(torch, "empty", empty)
+    (ws,) = [t for t in made if t.dtype == torch.uint8]  # the workspace
+    assert ws.numel() == layout.nbytes and len(got) == len(calls)
+
+    offsets = {name: off for name, *_, off in layout.buffers}
+    name_of = {id(env[name]): name for name in [*sources, "out", *offsets] if env.get(name) is not None}
+    bases = set()
+    for call, args in zip(calls, got):
+        entry = launch.cached(call)
+        assert args[:4 + len(head)] == (*entry.grid, 103, *head)
+        want = entry.full_args(call.args)
+        assert len(args) == 4 + len(head) + len(want)
+        for value, arg in zip(args[4 + len(head):], want):
+            if not isinstance(arg, torch.Tensor):
+                assert value == arg
+                continue
+            name = name_of[id(arg)]
+            if name in offsets:
+                bases.add(value - offsets[name])  # one workspace: every buffer at its offset
+            else:
+                assert value == (out if name == "out" else new[name]).data_ptr(), name
+    assert bases == {ws.data_ptr()}
+
+
 @pytest.mark.parametrize("shared,other", [("down_act_scale", "gate_up_act_scale"),
                                           ("down_scale_inv", "gate_up_scale_inv")])
 def test_plan_recorded_from_one_tensor_passed_twice(shared, other):

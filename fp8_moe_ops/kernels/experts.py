@@ -44,6 +44,7 @@ and for S > 2048 (the torch sort allocates, and the GPU's time dwarfs the CPU's)
 from __future__ import annotations
 
 import math
+import operator
 from typing import NamedTuple
 
 import torch
@@ -320,11 +321,12 @@ class ExpertsPlan:
     On a GPU each launcher is called directly with the sources' addresses; under the
     Triton interpreter the recorded calls are replayed through the JIT (the tests)."""
 
-    __slots__ = ("_steps", "_layout", "device")
+    __slots__ = ("_steps", "_layout", "device", "_offsets", "_constants")
 
-    def __init__(self, steps: list, layout: Layout, device: int | None):
+    def __init__(self, steps: list, layout: Layout, device: int | None, constants: list | None = None):
         # device: the GPU the launchers were compiled for; None: replays through the JIT
-        self._steps, self._layout, self.device = steps, layout, device
+        self._steps, self._layout, self.device, self._constants = steps, layout, device, constants
+        self._offsets = [off for *_, off in layout.buffers]
 
     @classmethod
     def record(cls, names: list, env: dict, layout: Layout, calls: list[KernelCall]) -> ExpertsPlan | None:
@@ -352,14 +354,22 @@ class ExpertsPlan:
         if all(c is None for c in compiled):  # the interpreter
             return cls(list(zip(entries, templates)), layout, None)
         device = driver.active.get_current_device()
-        if any(c is None or c[3] != device for c in compiled):
+        if any(c is None or c[2] != device for c in compiled):
             return None  # a launcher compiled for another device (the launch cache keys on the tensors' device)
-        steps = []
-        for entry, template, (run, function, metadata, _) in zip(entries, templates, compiled):
-            full = entry.full_args(template)
-            fill = [(pos, a) for pos, a in enumerate(full) if type(a) is _Source]
-            steps.append((run, entry.grid, function, metadata, full, fill))
-        return cls(steps, layout, device)
+        # a replay's values: the sources' addresses (in _Source order), then every
+        # launch's other arguments; each launch picks its argument list from them
+        n_sources = len(names) + 1 + len(buffers)
+        constants, steps = [], []
+        for entry, template, (launcher, head, _) in zip(entries, templates, compiled):
+            picks = []
+            for a in entry.full_args(template):
+                if type(a) is _Source:
+                    picks.append(int(a))
+                else:
+                    picks.append(n_sources + len(constants))
+                    constants.append(a)
+            steps.append((launcher, entry.grid, head, _picker(picks)))
+        return cls(steps, layout, device, constants)
 
     def run(self, inputs: list, hidden: torch.Tensor) -> torch.Tensor | None:
         """The forward on ``inputs`` (the sources' values, in the recorded order);
@@ -375,16 +385,22 @@ class ExpertsPlan:
                 entry(*(tensors[a] if type(a) is _Source else a for a in template))
             return out
         base = ws.data_ptr()
-        ptrs = [None if t is None else t.data_ptr() for t in inputs]
-        ptrs.append(out.data_ptr())
-        ptrs += [base + off for *_, off in self._layout.buffers]
+        values = [None if t is None else t.data_ptr() for t in inputs]
+        values.append(out.data_ptr())
+        values += [base + off for off in self._offsets]
+        values += self._constants
         stream = driver.active.get_current_stream(device)
-        for run, grid, function, metadata, full, fill in self._steps:
-            full = full.copy()
-            for pos, src in fill:
-                full[pos] = ptrs[src]
-            run(grid[0], grid[1], grid[2], stream, function, metadata, None, None, None, *full)
+        for launcher, grid, head, pick in self._steps:
+            launcher(grid[0], grid[1], grid[2], stream, *head, *pick(values))
         return out
+
+
+def _picker(positions: list):
+    """``values -> tuple(values[i] for i in positions)``, in C (``operator.itemgetter``
+    returns a bare item for one position)."""
+    if len(positions) > 1:
+        return operator.itemgetter(*positions)
+    return lambda values: tuple(values[i] for i in positions)
 
 
 _MAX_PLANS = 4096  # signatures per table; cleared when full (a model has a handful)

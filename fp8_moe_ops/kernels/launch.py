@@ -17,6 +17,10 @@ a multiple of 16 bytes).  Triton's launch hooks (``knobs.runtime.launch_enter_ho
 Triton's own profiler) are not called on the fast path; ``torch.profiler`` and Nsight
 see the kernels as usual.  Under ``TRITON_INTERPRET=1`` every call goes through the
 interpreter.
+
+Triton's CUDA launcher is a Python object whose ``__call__`` allocates the kernel's
+scratch memory (none for this package's kernels) before it calls the compiled C
+function; :func:`direct` calls that function itself where the kernel needs no scratch.
 """
 
 from __future__ import annotations
@@ -29,11 +33,27 @@ from triton.compiler.compiler import CompiledKernel
 from triton.runtime import driver
 
 
+def direct(run, function, metadata) -> tuple:
+    """``(launcher, head)``: ``launcher(gx, gy, gz, stream, *head, *full_args)`` launches
+    as ``run(gx, gy, gz, stream, function, metadata, None, None, None, *full_args)``
+    (``run``: a compiled kernel's launcher, no launch hooks).  For Triton's CUDA launcher
+    of a kernel without global or profile scratch memory, ``launcher`` is its compiled
+    C function, without the Python frame around it; otherwise ``run`` itself."""
+    c_launch = getattr(run, "launch", None)
+    if c_launch is not None and getattr(run, "global_scratch_size", 1) == 0 \
+            and getattr(run, "profile_scratch_size", 1) == 0:
+        # the C function's arguments: grid, stream, function, cooperative grid, PDL,
+        # global and profile scratch, metadata, launch metadata, enter and exit hooks
+        return c_launch, (function, run.launch_cooperative_grid, run.launch_pdl, None, None, metadata, None, None,
+                          None)
+    return run, (function, metadata, None, None, None)
+
+
 class Launch:
     """``kernel[grid](*args, **constexprs, **options)`` with ``args`` the kernel's
     run-time arguments in order (every parameter not in ``constexprs``)."""
 
-    __slots__ = ("kernel", "grid", "meta", "_constexpr_at", "_run", "_function", "_metadata", "_device")
+    __slots__ = ("kernel", "grid", "meta", "_constexpr_at", "_launcher", "_head", "_device")
 
     def __init__(self, kernel, grid: Sequence[int], constexprs: dict, **options):
         self.kernel = kernel
@@ -41,7 +61,7 @@ class Launch:
         self.meta = {**constexprs, **options}
         # where the compile-time values go in the launcher's full argument list
         self._constexpr_at = [(i, constexprs[n]) for i, n in enumerate(kernel.arg_names) if n in constexprs]
-        self._run = None
+        self._launcher = None
 
     def full_args(self, args) -> list:
         """``args`` with the compile-time values inserted: the launcher's argument list."""
@@ -51,26 +71,25 @@ class Launch:
         return full
 
     def compiled(self) -> tuple | None:
-        """After a first call on a GPU, ``(run, function, metadata, device)``: the
-        compiled binary's launcher, called as ``run(*grid, stream, function, metadata,
-        None, None, None, *full_args)`` on ``device``; else None (interpreter)."""
-        if self._run is None:
+        """After a first call on a GPU, ``(launcher, head, device)``: the compiled
+        binary's launch, called as ``launcher(*grid, stream, *head, *full_args)`` on
+        ``device`` (:func:`direct`); else None (interpreter)."""
+        if self._launcher is None:
             return None
-        return self._run, self._function, self._metadata, self._device
+        return self._launcher, self._head, self._device
 
     def __call__(self, *args) -> None:
-        if self._run is not None:
+        if self._launcher is not None:
             device = driver.active.get_current_device()
             if device == self._device:
                 g = self.grid
-                self._run(g[0], g[1], g[2], driver.active.get_current_stream(device), self._function,
-                          self._metadata, None, None, None, *self.full_args(args))
+                self._launcher(g[0], g[1], g[2], driver.active.get_current_stream(device), *self._head,
+                               *self.full_args(args))
                 return
         compiled = self.kernel[self.grid](*args, **self.meta)
-        if self._run is None and isinstance(compiled, CompiledKernel):
+        if self._launcher is None and isinstance(compiled, CompiledKernel):
             self._device = driver.active.get_current_device()
-            self._function, self._metadata = compiled.function, compiled.packed_metadata
-            self._run = compiled.run
+            self._launcher, self._head = direct(compiled.run, compiled.function, compiled.packed_metadata)
 
 
 class KernelCall(NamedTuple):
