@@ -127,6 +127,29 @@ def test_experts_accept_leading_dims(dispatch):
     assert torch.equal(out, m(hidden.view(6, 64), idx, w).view(2, 3, 64))
 
 
+def test_experts_read_replaced_and_parametrised_weights():
+    # the forward reads the module's tensors as they are now: a parametrised scale grid
+    # (doubled: the output doubles exactly), a replaced parameter, and under compile
+    from torch.nn.utils import parametrize
+
+    class Doubled(nn.Module):
+        def forward(self, s):
+            return 2 * s
+
+    gu, dp = _float_experts(E=4, H=64, I=32)
+    m = FP8Experts.from_float(gu, dp, block_size=(32, 32), dispatch="grouped")
+    hidden = torch.randn(5, 64, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    idx, w = _routing(5, 4, 2)
+    before = m(hidden, idx, w)
+    assert before.abs().max() > 0
+    parametrize.register_parametrization(m, "down_proj_scale_inv", Doubled())
+    assert torch.equal(m.expert_weights().down_scale_inv, 2 * m.parametrizations.down_proj_scale_inv.original)
+    assert torch.equal(m(hidden, idx, w), 2 * before)
+    assert torch.equal(torch.compile(m, fullgraph=True, backend="aot_eager")(hidden, idx, w), 2 * before)
+    m.gate_up_proj = nn.Parameter(torch.zeros_like(m.gate_up_proj), requires_grad=False)  # every h is 0
+    assert torch.equal(m(hidden, idx, w), torch.zeros_like(before))
+
+
 @pytest.mark.slow
 def test_experts_leading_dims_under_compile_with_the_pass():
     import torch._inductor.config as inductor_config
