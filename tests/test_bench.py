@@ -224,6 +224,20 @@ def test_host_overhead_table_shows_the_cost_beyond_the_op(common, monkeypatch):
     assert "| qwen3_30b_a3b | 1 | FP8Experts.forward | 52.5 | +12.5 | 90.0 | 6.0 |" in overhead.table(runner)
 
 
+def test_module_overhead_runs_on_cpu_and_restores_the_op(common, monkeypatch, tmp_path):
+    from fp8_moe_ops import ops
+
+    overhead = _load("module_overhead", monkeypatch)
+    real = ops.experts
+    monkeypatch.setattr(sys, "argv", ["module_overhead.py", "--out-dir", str(tmp_path), "--calls", "3"])
+    assert overhead.main() == 0
+    assert ops.experts is real
+    _, results = common.read_json(str(tmp_path / "module_overhead.json"))
+    assert [r.config.variant for r in results if r.ok] == [
+        f"{scheme} {part}" for scheme in ("dynamic", "static")
+        for part in ("forward, op stubbed", "_check_inputs", "expert_weights")]
+
+
 def test_read_json_refuses_untyped_results(common, tmp_path):
     (tmp_path / "old.json").write_text(json.dumps({"meta": {}, "results": [{"model": "m", "T": 1}]}))
     with pytest.raises(ValueError, match="typed results"):
