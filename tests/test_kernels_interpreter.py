@@ -636,27 +636,34 @@ def test_launch_cache_keys_on_argument_specialisation():
 
 def test_direct_launch_passes_what_tritons_launcher_passes():
     # the C function behind Triton's CUDA launcher object gets the same arguments from
-    # launch.direct as from the object itself (the installed Triton's code, a fake C function)
-    from types import SimpleNamespace
-
+    # launch.direct as from the object itself (the installed Triton's __call__, a fake C
+    # function); a launcher class that passes them otherwise, or a kernel with scratch
+    # memory, keeps the object
     from triton.backends.nvidia.driver import CudaLauncher
 
     from fp8_moe_ops.kernels.launch import direct
 
-    def launcher(global_scratch, profile_scratch):
-        got = []
-        return got, SimpleNamespace(launch=lambda *a: got.append(a), num_ctas=1, launch_cooperative_grid=False,
-                                    launch_pdl=True, global_scratch_size=global_scratch, global_scratch_align=1,
-                                    profile_scratch_size=profile_scratch, profile_scratch_align=1)
+    class Launcher(CudaLauncher):
+        def __init__(self, global_scratch=0, profile_scratch=0):  # no compile: attributes only
+            self.got = []
+            self.launch = lambda *a: self.got.append(a)
+            self.num_ctas, self.launch_cooperative_grid, self.launch_pdl = 1, False, True
+            self.global_scratch_size = global_scratch
+            self.profile_scratch_size = profile_scratch
+            self.global_scratch_align = self.profile_scratch_align = 1
 
-    got, run = launcher(0, 0)
-    CudaLauncher.__call__(run, 2, 3, 1, 55, "function", "metadata", None, None, None, 1234, 7, None)
+    class Reordered(Launcher):  # what another Triton version might do
+        def __call__(self, gx, gy, gz, stream, function, *args):
+            self.launch(gx, gy, gz, stream, function, self.launch_pdl, self.launch_cooperative_grid, None, None,
+                        *args)
+
+    run = Launcher()
+    run(2, 3, 1, 55, "function", "metadata", None, None, None, 1234, 7, None)
     fn, head = direct(run, "function", "metadata")
-    assert fn is run.launch
+    assert fn == run.launch
     fn(2, 3, 1, 55, *head, 1234, 7, None)
-    assert len(got) == 2 and got[0] == got[1]
-    for sizes in ((256, 0), (0, 64)):  # scratch memory: the launcher object allocates it
-        _, run = launcher(*sizes)
+    assert len(run.got) == 2 and run.got[0] == run.got[1]
+    for run in (Launcher(global_scratch=256), Launcher(profile_scratch=64), Reordered()):
         assert direct(run, "function", "metadata") == (run, ("function", "metadata", None, None, None))
 
 

@@ -26,6 +26,7 @@ function; :func:`direct` calls that function itself where the kernel needs no sc
 from __future__ import annotations
 
 from collections.abc import Sequence
+from types import SimpleNamespace
 from typing import NamedTuple
 
 import torch
@@ -33,19 +34,46 @@ from triton.compiler.compiler import CompiledKernel
 from triton.runtime import driver
 
 
+def _c_head(function, metadata, cooperative, pdl) -> tuple:
+    # the C function's arguments after grid and stream: function, cooperative grid, PDL,
+    # global and profile scratch, metadata, launch metadata, enter and exit hooks
+    return function, cooperative, pdl, None, None, metadata, None, None, None
+
+
+_PASSES_THROUGH: dict[type, bool] = {}  # launcher class -> its __call__ checked to pass _c_head
+
+
+def _passes_through(cls: type) -> bool:
+    """Whether ``cls.__call__`` hands its ``launch`` C function the arguments of
+    :func:`_c_head` for a kernel without scratch memory: checked once per class, by
+    calling it on a stand-in whose ``launch`` records them (Triton's launcher object
+    is internal; another version may call its C function otherwise)."""
+    got = []
+    stand_in = SimpleNamespace(launch=lambda *a: got.append(a), num_ctas=1, launch_cooperative_grid=False,
+                               launch_pdl=True, global_scratch_size=0, global_scratch_align=1,
+                               profile_scratch_size=0, profile_scratch_align=1)
+    try:
+        cls.__call__(stand_in, 2, 3, 1, "stream", "function", "metadata", None, None, None, "arg")
+    except Exception:  # a launcher that needs more than the stand-in has: not called directly
+        return False
+    return got == [(2, 3, 1, "stream", *_c_head("function", "metadata", False, True), "arg")]
+
+
 def direct(run, function, metadata) -> tuple:
     """``(launcher, head)``: ``launcher(gx, gy, gz, stream, *head, *full_args)`` launches
     as ``run(gx, gy, gz, stream, function, metadata, None, None, None, *full_args)``
     (``run``: a compiled kernel's launcher, no launch hooks).  For Triton's CUDA launcher
     of a kernel without global or profile scratch memory, ``launcher`` is its compiled
-    C function, without the Python frame around it; otherwise ``run`` itself."""
+    C function, without the Python frame around it (where the launcher's class is seen
+    to call it so: :func:`_passes_through`); otherwise ``run`` itself."""
     c_launch = getattr(run, "launch", None)
     if c_launch is not None and getattr(run, "global_scratch_size", 1) == 0 \
             and getattr(run, "profile_scratch_size", 1) == 0:
-        # the C function's arguments: grid, stream, function, cooperative grid, PDL,
-        # global and profile scratch, metadata, launch metadata, enter and exit hooks
-        return c_launch, (function, run.launch_cooperative_grid, run.launch_pdl, None, None, metadata, None, None,
-                          None)
+        cls = type(run)
+        if cls not in _PASSES_THROUGH:
+            _PASSES_THROUGH[cls] = _passes_through(cls)
+        if _PASSES_THROUGH[cls]:
+            return c_launch, _c_head(function, metadata, run.launch_cooperative_grid, run.launch_pdl)
     return run, (function, metadata, None, None, None)
 
 
