@@ -7,8 +7,8 @@ The benchmarks' static activation scales (``common.static_scales``: uniform in [
 (uniform routing), three schemes of one layer on the same weights and inputs:
 ``dynamic``; ``static random`` (the benchmarks' scales); ``static calibrated`` (per
 expert, the amax of the inputs that expert's GEMMs see in the dynamic forward of this
-very call, / 448: what calibration on these inputs finds, up to the gate_up GEMM's
-own rounding).  Metrics:
+very call, turned into scales by ``fp8_moe_ops.calibrate_static_scales``'s rule: what
+calibration on these inputs finds, up to the gate_up GEMM's own rounding).  Metrics:
 ``graph_us``, the layer in a CUDA graph; ``down_us``, the down GEMM's launch alone
 (CUDA events); ``saturated``, the fraction of the down GEMM's fp8 inputs at +-448
 (the largest e4m3 value: inputs clipped by too small a scale); and for the static
@@ -26,17 +26,21 @@ import torch
 
 from common import (BLOCK, MODELS, ExperimentConfig, Runner, graph_ms, layer_inputs, layer_weights, markdown_table,
                     parse_sweep, static_scales, time_ms)
+from fp8_moe_ops.calibration import _scale_from_amax
+from fp8_moe_ops.functional import FP8_MAX
 from fp8_moe_ops.kernels import experts as X
 from fp8_moe_ops.kernels.launch import launch
 
 CASES = {"qwen3_30b_a3b": [8192], "deepseek_v3": [8192]}
-E4M3_MAX = 448.0
 
 
-def forward(weights, inputs, scales):
-    """(out, env, the down GEMM's launch) of one forward."""
-    x, idx, wts = inputs
-    args = (x, idx, wts, *weights, BLOCK, "silu", *scales, None)
+def op_args(weights, inputs, scales) -> tuple:
+    """The experts ops' twelve arguments for one layer call (silu, no limit)."""
+    return (*inputs, *weights, BLOCK, "silu", *scales, None)
+
+
+def forward(args: tuple):
+    """(out, env, the down GEMM's launch) of one forward on :func:`op_args`."""
     sources = X._stacked_sources(args)
     out, env, _, calls = X._stacked(args, sources)
     down = [c for c in calls if c.kernel.__name__ == "_grouped_gemm_kernel"][-1]
@@ -53,19 +57,20 @@ def segment_amax(rows: torch.Tensor, offsets: torch.Tensor, E: int) -> torch.Ten
 
 def calibrated(env: dict, E: int, I: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-expert (gate_up, down) act scales from a dynamic forward's buffers: the amax
-    of each expert's rows of hidden and of silu(gate) * up, / 448."""
+    of each expert's rows of hidden and of silu(gate) * up, as calibration turns them
+    into scales (/ 448; an expert without rows takes its projection's largest)."""
     perm, offsets = env["perm"].long(), env["offsets"]
     x_rows = env["hidden"][perm // k].float()
     h = env["h"].float()
     act = torch.nn.functional.silu(h[:, :I]) * h[:, I:]
     n = int(offsets[-1])
-    gate_up = segment_amax(x_rows[:n], offsets, E) / E4M3_MAX
-    down = segment_amax(act[:n], offsets, E) / E4M3_MAX
-    return tuple(torch.where(s > 0, s, torch.ones_like(s)).float() for s in (gate_up, down))
+    amax = torch.stack([segment_amax(x_rows[:n], offsets, E), segment_amax(act[:n], offsets, E)])
+    gate_up, down = _scale_from_amax(amax)
+    return gate_up.contiguous(), down.contiguous()
 
 
 def saturated(a_q: torch.Tensor, rows: int) -> float:
-    return (a_q[:rows].float().abs() == E4M3_MAX).float().mean().item()
+    return (a_q[:rows].float().abs() == FP8_MAX).float().mean().item()
 
 
 def measure_case(name: str, T: int, gen: torch.Generator) -> dict:
@@ -73,15 +78,14 @@ def measure_case(name: str, T: int, gen: torch.Generator) -> dict:
     weights = layer_weights(model, gen)
     inputs = layer_inputs(model, T, gen)
     random_scales = static_scales(model, gen)
-    _, env_dyn, down_dyn = forward(weights, inputs, (None, None))
+    _, env_dyn, down_dyn = forward(op_args(weights, inputs, (None, None)))
     rows = int(env_dyn["offsets"][-1])
     schemes = {"dynamic": (None, None), "static random": random_scales,
                "static calibrated": calibrated(env_dyn, model.E, model.I, model.top_k)}
     res = {}
     for scheme, scales in schemes.items():
-        x, idx, wts = inputs
-        args = (x, idx, wts, *weights, BLOCK, "silu", *scales, None)
-        _, env, down = forward(weights, inputs, scales) if scheme != "dynamic" else (None, env_dyn, down_dyn)
+        args = op_args(weights, inputs, scales)
+        _, env, down = forward(args) if scheme != "dynamic" else (None, env_dyn, down_dyn)
         m = {"graph_us": graph_ms(lambda: torch.ops.fp8_moe.grouped_experts(*args)) * 1e3,
              "down_us": time_ms(lambda: launch(down)) * 1e3,
              "saturated": saturated(env["a_q"], rows)}

@@ -240,20 +240,22 @@ def test_module_overhead_runs_on_cpu_and_restores_the_op(common, monkeypatch, tm
 
 def test_static_gap_calibrates_each_expert_on_its_own_tokens(common, monkeypatch):
     # the gate_up scale of expert e is the amax of the tokens routed to e / 448 (an expert
-    # without tokens gets 1); the down scales are positive for every expert
+    # without tokens gets the layer's largest, as calibrate_static_scales gives it); the
+    # down scales are positive for every expert
     gap = _load("static_gap", monkeypatch)
     tiny = common.Model("tiny", E=5, H=64, I=32, top_k=2)
     gen = torch.Generator().manual_seed(3)
     w = common.layer_weights(tiny, gen, device="cpu")
     x, idx, wts = common.layer_inputs(tiny, 7, gen, device="cpu")
-    _, env, down = gap.forward(tuple(w), (x, idx, wts), (None, None))
+    _, env, down = gap.forward(gap.op_args(tuple(w), (x, idx, wts), (None, None)))
     gate_up, down_scales = gap.calibrated(env, tiny.E, tiny.I, tiny.top_k)
+    largest = x.float().abs().amax() / 448
     for e in range(tiny.E):
         tokens = (idx == e).any(1)
-        want = x[tokens].float().abs().amax() / 448 if tokens.any() else torch.tensor(1.0)
+        want = x[tokens].float().abs().amax() / 448 if tokens.any() else largest
         assert gate_up[e] == want, e
     assert (down_scales > 0).all()
-    assert not (idx == 4).any()  # the draw leaves expert 4 without tokens: the loop checked its 1
+    assert not (idx == 4).any()  # the draw leaves expert 4 without tokens: the loop checked its scale
 
 
 def test_read_json_refuses_untyped_results(common, tmp_path):
