@@ -242,17 +242,19 @@ def host_us_per_call(fn: Callable[[], Any], calls: int = 100, warmup: int = 20,
     """(CPU µs per call, wall µs per call): ``calls`` back-to-back calls timed before the
     final synchronize (the CPU's time when the GPU keeps up), and including it; the
     median of ``repeats`` such runs (the host's timing varies run to run: one run of
-    100 calls alone moved by up to 2x)."""
+    100 calls alone moved by up to 2x).  Without CUDA in use (CPU-only work) the two
+    are the same time."""
+    sync = torch.cuda.synchronize if torch.cuda.is_initialized() else (lambda: None)
     for _ in range(warmup):
         fn()
     cpu, wall = [], []
     for _ in range(repeats):
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
         for _ in range(calls):
             fn()
         t1 = time.perf_counter()
-        torch.cuda.synchronize()
+        sync()
         t2 = time.perf_counter()
         cpu.append((t1 - t0) / calls * 1e6)
         wall.append((t2 - t0) / calls * 1e6)

@@ -7,32 +7,19 @@ called with ``fp8_moe_ops.ops.experts`` replaced by a stub that returns its inpu
 what is timed is the module's own work: ``nn.Module.__call__``, the input checks
 (``_check_inputs``), the weights and settings handed to the op (``expert_weights``)
 and the reshapes.  The sizes do not matter to it (no tensor data is touched); the
-parts are timed on their own too.  µs per call: the median of 7 runs of ``--calls``
-back-to-back calls.  Writes ``OUT/module_overhead.json`` / ``.md``.
+parts are timed on their own too.  µs per call: ``common.host_us_per_call`` (the median
+of 7 runs of ``--calls`` back-to-back calls).  Writes ``OUT/module_overhead.json`` / ``.md``.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 
 import torch
 
-from common import ExperimentConfig, Runner, markdown_table
+from common import ExperimentConfig, Runner, host_us_per_call, markdown_table
 from fp8_moe_ops import FP8Experts, ops
-
-
-def us_per_call(fn, calls: int, repeats: int = 7) -> float:
-    fn()
-    runs = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        runs.append((time.perf_counter() - t0) / calls * 1e6)
-    return statistics.median(runs)
 
 
 def parts(scheme: str, device: str) -> dict:
@@ -60,7 +47,7 @@ def main() -> int:
         for scheme in ("dynamic", "static"):
             for name, fn in parts(scheme, args.device).items():
                 runner.run(ExperimentConfig("module_overhead", "FP8Experts", 1, f"{scheme} {name}"),
-                           lambda fn=fn: {"cpu_us": us_per_call(fn, args.calls)})
+                           lambda fn=fn: {"cpu_us": host_us_per_call(fn, args.calls)[0]})
     finally:
         ops.experts = real
     rows = [r.flat() for r in runner.results]
