@@ -7,7 +7,7 @@ or shape) whose message names the argument and says what was expected and what c
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -75,3 +75,47 @@ def meta_key(args: tuple) -> tuple:
     a multiple of 16 bytes, and the other arguments' values."""
     return tuple((a.dtype, a.shape, a.stride(), a.device, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor)
                  else tuple(a) if isinstance(a, list) else a for a in args)
+
+
+def _tensor_guards():
+    """torch's C++ tensor-metadata guard class (``torch._C._dynamo.guards.TensorGuards``,
+    which Dynamo's guards are built on), or None where this torch has none that behaves
+    as :func:`metadata_guard` needs: it is internal, so its behaviour is checked once
+    on CPU tensors before it is trusted."""
+    try:
+        from torch._C._dynamo.guards import TensorGuards
+
+        a, b = torch.zeros(2, 3), torch.zeros(3, 1, dtype=torch.float8_e4m3fn)
+
+        def guard(*ts):
+            return TensorGuards(*ts, dynamic_dims_sizes=[list(t.shape) for t in ts],
+                                dynamic_dims_strides=[list(t.stride()) for t in ts])
+
+        g = guard(a, b)
+        keeps = g.check(torch.ones(2, 3), torch.ones(3, 1).to(torch.float8_e4m3fn))
+        refuses = not any(g.check(a, other) for other in (
+            b.t(), b.float(), torch.zeros(3, 2, dtype=torch.float8_e4m3fn)[:, :1], b.view(3, 1, 1),
+            torch.zeros(4, 1, dtype=torch.float8_e4m3fn), a))
+    except Exception:  # an internal API: anything unexpected means "not available"
+        return None
+    return guard if keeps and refuses else None
+
+
+_GUARD_FACTORY: list = []  # [the factory of _tensor_guards or None], filled on first use
+
+
+def metadata_guard(tensors: Sequence[torch.Tensor]) -> Callable[..., bool] | None:
+    """A C++ check ``guard(*others) -> bool``: whether ``others`` (as many tensors as
+    ``tensors``) each have exactly the metadata of their counterpart (dtype, device,
+    shape, strides, dispatch keys, requires_grad), in 60-90 ns a tensor on the CPU
+    machine.  It keeps no reference to the tensors.  None where this torch offers no
+    such check (callers then run their checks on every call).
+
+    For ops taking hundreds of tensors (``grouped_experts_list``: four lists over every
+    expert), where a Python key of every tensor's metadata would cost as much as the
+    checks it saves: the checks run once, and later calls whose tensors pass the guard
+    of checked ones are checked."""
+    if not _GUARD_FACTORY:
+        _GUARD_FACTORY.append(_tensor_guards())
+    factory = _GUARD_FACTORY[0]
+    return None if factory is None else factory(*tensors).check

@@ -28,7 +28,7 @@ from typing import NamedTuple
 import torch
 
 from . import reference
-from ._checks import SCALE_DTYPES, check_block_size, fail, meta_key, shape_str
+from ._checks import SCALE_DTYPES, check_block_size, fail, meta_key, metadata_guard, shape_str
 from .functional import ACTIVATIONS, cdiv
 
 _ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -308,7 +308,7 @@ class _NoAutograd(torch.autograd.Function):
                            "torch.no_grad() or torch.inference_mode(), or keep it out of the backward pass")
 
 
-def _experts_op(name: str, schema: str, check, value_check, *, planned: bool = True):
+def _experts_op(name: str, schema: str, check, value_check, *, cuda_check=None):
     """Defines one whole-experts op on :data:`_LIB`: the CPU reference and the CUDA
     kernel behind ``check``, a fake, and an autograd kernel that refuses backward.
 
@@ -316,11 +316,11 @@ def _experts_op(name: str, schema: str, check, value_check, *, planned: bool = T
     generic Python autograd wrapper, redispatch and output-aliasing check cost 10-14 µs
     of CPU per call on the H200 machine's host (a no-op op: 15-22 µs against 5.5-8.5 µs,
     ``bench/host_parts.py``), a third of a decode step's budget; the autograd kernel
-    here costs about 3 µs (measured on the CPU machine).  On CUDA (``planned``) the
-    metadata checks run on the first call of each :func:`meta_key`, and its second call
-    records the launches as a plan that later calls of the key replay
-    (:func:`planned_call`); the value checks run on
-    CPU only."""
+    here costs about 3 µs (measured on the CPU machine).  On CUDA the metadata checks
+    run on the first call of each :func:`meta_key`, and its second call records the
+    launches as a plan that later calls of the key replay (:func:`planned_call`); or,
+    given ``cuda_check``, every CUDA call runs it and goes to the kernel, which keeps
+    its own plans.  The value checks run on CPU only."""
     _LIB.define(name + schema)
     op = getattr(torch.ops.fp8_moe, name).default
     plans: dict = {}  # meta_key -> plan state (planned_call)
@@ -349,8 +349,8 @@ def _experts_op(name: str, schema: str, check, value_check, *, planned: bool = T
                   block_size, activation="silu", gate_up_act_scale=None, down_act_scale=None, swiglu_limit=None):
         args = (hidden, top_k_index, top_k_weights, gate_up_proj, gate_up_scale_inv, down_proj, down_scale_inv,
                 block_size, activation, gate_up_act_scale, down_act_scale, swiglu_limit)
-        if not planned:
-            check(*args)
+        if cuda_check is not None:
+            cuda_check(*args)
             return getattr(_kernels(), name)(*args)
         return planned_call(plans, check, args)
 
@@ -478,8 +478,34 @@ def _check_experts_list_values(gate_up_scale_inv, down_scale_inv, gate_up_act_sc
     _check_scale_values("down_act_scale", down_act_scale)
 
 
-# per-expert lists (768 tensors at deepseek_v3's E = 256): a key of every tensor's
-# metadata would cost as much as the checks, so they run on every call (the entry point
-# keeps its launch plans on what the checks leave to decide)
+class ListChecks:
+    """``check_experts_list`` on CUDA calls, run once per metadata of every tensor.
+
+    The lists hold 4E to 6E tensors (1024 at deepseek_v3's E = 256): the checks cost
+    about 0.5 µs a tensor in Python, and so would a Python key of every tensor's
+    metadata.  So the key here holds only the other arguments (:func:`meta_key`) and the
+    list lengths; it maps to a C++ guard (:func:`metadata_guard`) of the last tensors that
+    passed the checks under it.  A call whose tensors pass that guard has every tensor's
+    dtype, device, shape and strides equal to checked ones, so every check would pass
+    again; any other call runs the checks (raising as ever) and keeps a guard of its
+    tensors.  Where torch offers no such guard, every call runs the checks."""
+
+    def __init__(self, check):
+        self._check = check
+        self._guards: dict = {}  # (meta_key of the other arguments, list lengths) -> guard
+
+    def __call__(self, *args) -> None:
+        lists = args[3:7]
+        tensors = [*lists[0], *lists[1], *lists[2], *lists[3]]
+        key = (meta_key(args[:3] + args[7:]), *map(len, lists))
+        guard = self._guards.get(key)
+        if guard is not None and guard(*tensors):
+            return
+        self._check(*args)
+        guard = metadata_guard(tensors)
+        if guard is not None:
+            self._guards[key] = guard
+
+
 grouped_experts_list = _experts_op("grouped_experts_list", EXPERTS_LIST_SCHEMA, check_experts_list,
-                                   _check_experts_list_values, planned=False)
+                                   _check_experts_list_values, cuda_check=ListChecks(check_experts_list))

@@ -113,6 +113,85 @@ def test_bad_input(change, exc, match):
         OPS.grouped_experts_list(**change(_lists()))
 
 
+
+def _positional(a: dict) -> tuple:
+    """The op's arguments in schema order, as the dispatcher hands them to a kernel."""
+    return (a["hidden"], a["top_k_index"], a["top_k_weights"], a["gate_up_proj"], a["gate_up_scale_inv"],
+            a["down_proj"], a["down_scale_inv"], a["block_size"], a.get("activation", "silu"),
+            a.get("gate_up_act_scale"), a.get("down_act_scale"), a.get("swiglu_limit"))
+
+
+def _counted_list_checks():
+    from fp8_moe_ops import ops
+
+    runs = []
+
+    def check(*args):
+        runs.append(args)
+        ops.check_experts_list(*args)
+
+    return ops.ListChecks(check), runs
+
+
+def test_cuda_list_checks_run_once_per_metadata():
+    # the CUDA kernel's checks (ListChecks) are plain Python: driven here on CPU tensors
+    checks, runs = _counted_list_checks()
+    a = _lists()
+    checks(*_positional(a))
+    checks(*_positional(a))
+    assert len(runs) == 1  # the second call passed the guard of the first call's tensors
+    # a replaced tensor of the same metadata (a reloaded parameter) passes the guard too
+    checks(*_positional(_replace(a, "down_proj", 1, a["down_proj"][1].clone())))
+    assert len(runs) == 1
+    # other metadata of the routing tensors (T = 3): another key, so the checks run
+    b = dict(a, hidden=a["hidden"][:3], top_k_index=a["top_k_index"][:3], top_k_weights=a["top_k_weights"][:3])
+    checks(*_positional(b))
+    assert len(runs) == 2
+    # a separate gate / up layout: other list lengths, another key
+    checks(*_positional(_lists(separate=True)))
+    assert len(runs) == 3
+
+
+# every bad input but the value check (negative scales: CPU only, no device sync on CUDA)
+METADATA_BAD = [case for case in BAD if "finite positive" not in case[2]]
+
+
+@pytest.mark.parametrize("change,exc,match", METADATA_BAD)
+def test_cuda_list_checks_catch_bad_input_after_good_calls(change, exc, match):
+    checks, runs = _counted_list_checks()
+    checks(*_positional(_lists()))
+    checks(*_positional(_lists()))
+    with pytest.raises(exc, match=match):
+        checks(*_positional(change(_lists())))
+    assert len(runs) == 2  # the guard refused the bad tensors and the checks ran
+
+
+def test_cuda_list_checks_without_a_guard_run_every_call(monkeypatch):
+    from fp8_moe_ops import ops
+
+    monkeypatch.setattr(ops, "metadata_guard", lambda tensors: None)
+    checks, runs = _counted_list_checks()
+    a = _lists()
+    for _ in range(3):
+        checks(*_positional(a))
+    assert len(runs) == 3
+
+
+def test_metadata_guard_compares_every_tensors_metadata():
+    from fp8_moe_ops._checks import metadata_guard
+
+    ws = [torch.zeros(8, 4, dtype=torch.float8_e4m3fn) for _ in range(3)]
+    ss = [torch.ones(2, 1) for _ in range(3)]
+    guard = metadata_guard(ws + ss)
+    assert guard is not None  # the installed torch has the C++ guard (else checks run per call)
+    assert guard(*[w.clone() for w in ws], *[s + 1 for s in ss])  # metadata, not values nor addresses
+    for i, other in [(1, ws[1].float()), (2, ws[2].view(4, 8)), (0, ws[0].t().contiguous().t()),
+                     (4, torch.ones(4, 2)[:, :1]), (5, ss[2].view(2, 1, 1)), (3, ss[0].to("meta")),
+                     (4, torch.ones(2, 1, requires_grad=True))]:
+        changed = ws + ss
+        changed[i] = other
+        assert not guard(*changed), (i, other.shape, other.stride(), other.dtype, other.device)
+
 def test_bad_separate_gate_up_shape():
     a = _lists(separate=True)
     a = _replace(a, "gate_up_proj", 5, a["gate_up_proj"][5][:16].contiguous())
