@@ -247,9 +247,12 @@ def test_address_table_cached_per_set_of_tensors():
 
     a = _lists()
     lists = (a["gate_up_proj"], a["gate_up_scale_inv"], a["down_proj"], a["down_scale_inv"])
-    table, aligned = address_table(lists, torch.device("cpu"))
+    table, aligned, parts = address_table(lists, torch.device("cpu"))
     want = [t.data_ptr() for ts in lists for t in ts]
     assert table.dtype == torch.int64 and table.tolist() == want
+    # one view of the table per list, in the lists' order (what the kernel reads per list)
+    assert [p.tolist() for p in parts] == [[t.data_ptr() for t in ts] for ts in lists]
+    assert all(p.untyped_storage().data_ptr() == table.untyped_storage().data_ptr() for p in parts)
     assert aligned  # rows of (E, N, K) tensors with N * K a multiple of 16
     # the same tensors (in new lists, as each call passes them): the same table, not rebuilt
     assert address_table(tuple(list(ts) for ts in lists), torch.device("cpu"))[0] is table
@@ -259,7 +262,7 @@ def test_address_table_cached_per_set_of_tensors():
     # a replaced tensor: a new table with its address
     new_w = a["down_proj"][1].clone()
     replaced = (lists[0], lists[1], [lists[2][0], new_w, *lists[2][2:]], lists[3])
-    other, _ = address_table(replaced, torch.device("cpu"))
+    other = address_table(replaced, torch.device("cpu")).table
     assert other is not table and other[2 * 4 + 1].item() == new_w.data_ptr()  # after 4 + 4 gate_up entries
 
 

@@ -6,9 +6,8 @@ The grouped GEMM (:mod:`.grouped_gemm`, ``W_TABLE``) takes the experts' addresse
 a device-side table: one int64 tensor holding the addresses of every tensor of the four
 lists (gate_up weights, their scales, down weights, their scales).  A table is built
 by one host-to-device copy the first time a set of tensors is seen and reused by every
-later call with the same set (key: the tensors' addresses, the device, and the first
-tensor's layout of each list; the op's checks hold every expert to it).  An address is
-all a table holds, so:
+later call with the same set (key: the tensors' addresses, the list lengths and the
+device).  An address is all a table holds, so:
 
 * a weight updated in place (``copy_``, an optimiser step) keeps its address: the
   table stays right;
@@ -29,6 +28,8 @@ weights, so the op equals ``grouped_experts`` on the stacked tensors bitwise.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from .grouped_gemm import WeightTable
@@ -38,9 +39,17 @@ from .moe import _block
 
 __all__ = ["grouped_experts_list"]
 
-# (device, first tensors' layouts, addresses) -> (the int64 device table of those
-# addresses, whether every weight address is a multiple of 16 bytes)
-_TABLES: dict[tuple, tuple[torch.Tensor, bool]] = {}
+class Table(NamedTuple):
+    """A cached address table: the int64 device tensor, whether every weight address is
+    a multiple of 16 bytes, and its views over the four lists (kept, not sliced per call)."""
+
+    table: torch.Tensor
+    aligned: bool
+    parts: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+# (device, list lengths, every tensor's address) -> its Table
+_TABLES: dict[tuple, Table] = {}
 
 _data_ptr = torch.Tensor.data_ptr
 
@@ -49,15 +58,17 @@ def _layout(w: torch.Tensor, s: torch.Tensor) -> tuple:
     return tuple(w.shape), tuple(s.shape), s.stride(), s.dtype
 
 
-def address_table(lists: tuple, device: torch.device) -> tuple[torch.Tensor, bool]:
+def address_table(lists: tuple, device: torch.device) -> Table:
     """The cached (sum of list lengths,) int64 table of the tensors' addresses on
-    ``device``, and whether the weights' (lists 0 and 2) addresses are all 16-byte aligned
-    (separate allocations always are; views into one tensor may not be).
+    ``device``, whether the weights' (lists 0 and 2) addresses are all 16-byte aligned
+    (separate allocations always are; views into one tensor may not be), and the
+    table's view over each list.
 
     Raises RuntimeError when the table does not exist yet and the current CUDA stream
     is capturing a graph."""
-    key = (device, *[_layout(ws[0], ss[0]) for ws, ss in zip(lists[::2], lists[1::2])],
-           *[tuple(map(_data_ptr, ts)) for ts in lists])
+    lengths = tuple(map(len, lists))
+    ptrs = tuple(map(_data_ptr, [t for ts in lists for t in ts]))
+    key = (device, lengths, ptrs)
     entry = _TABLES.get(key)
     if entry is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -65,15 +76,11 @@ def address_table(lists: tuple, device: torch.device) -> tuple[torch.Tensor, boo
                 "fp8_moe::grouped_experts_list: no address table for these expert tensors yet, and one cannot "
                 "be built while a CUDA graph is being captured; run one eager call with the same weights "
                 "before capturing (a replaced parameter needs one more eager call and a re-capture)")
-        ptrs = key[-len(lists):]
-        table = torch.tensor([p for ts in ptrs for p in ts], dtype=torch.int64, device=device)
-        aligned = all(p % 16 == 0 for ts in ptrs[::2] for p in ts)
-        entry = _TABLES[key] = (table, aligned)
+        table = torch.tensor(ptrs, dtype=torch.int64, device=device)
+        g, gs, e = lengths[:3]
+        aligned = all(p % 16 == 0 for p in ptrs[:g] + ptrs[g + gs:g + gs + e])
+        entry = _TABLES[key] = Table(table, aligned, tuple(table.split(lengths)))
     return entry
-
-
-def _table(table: torch.Tensor, start: int, count: int) -> torch.Tensor:
-    return table[start:start + count]
 
 
 def _weights(w: torch.Tensor, s: torch.Tensor, E: int, w0: torch.Tensor, s0: torch.Tensor, aligned: bool,
@@ -104,10 +111,9 @@ def grouped_experts_list(hidden, top_k_index, top_k_weights, gate_up_proj, gate_
     block = _block(block_size)
     E, G = len(down_proj), len(gate_up_proj)
     I = down_proj[0].shape[1]
-    table, aligned = address_table((gate_up_proj, gate_up_scale_inv, down_proj, down_scale_inv), hidden.device)
+    _, aligned, parts = address_table((gate_up_proj, gate_up_scale_inv, down_proj, down_scale_inv), hidden.device)
     sources = routing_sources(hidden, top_k_index, top_k_weights, gate_up_act_scale, down_act_scale)
-    sources.update(gate_up_w=_table(table, 0, G), gate_up_s=_table(table, G, G),
-                   down_w=_table(table, 2 * G, E), down_s=_table(table, 2 * G + E, E))
+    sources.update(zip(("gate_up_w", "gate_up_s", "down_w", "down_s"), parts))
     key = (meta_key((hidden, top_k_index, top_k_weights, block_size, activation, gate_up_act_scale, down_act_scale,
                      swiglu_limit)), E, G, _layout(gate_up_proj[0], gate_up_scale_inv[0]),
            _layout(down_proj[0], down_scale_inv[0]), aligned)
