@@ -479,27 +479,32 @@ def _check_experts_list_values(gate_up_scale_inv, down_scale_inv, gate_up_act_sc
 
 
 class ListChecks:
-    """``check_experts_list`` on CUDA calls, run once per metadata of every tensor.
+    """``check_experts_list`` on CUDA calls, its per-tensor part run once per metadata.
 
-    The lists hold 4E to 6E tensors (1024 at deepseek_v3's E = 256): the checks cost
+    The lists hold 4E to 6E tensors (1024 at deepseek_v3's E = 256): their checks cost
     about 0.5 µs a tensor in Python, and so would a Python key of every tensor's
-    metadata.  So the key here holds only the other arguments (:func:`meta_key`) and the
-    list lengths; it maps to a C++ guard (:func:`metadata_guard`) of the last tensors that
-    passed the checks under it.  A call whose tensors pass that guard has every tensor's
-    dtype, device, shape and strides equal to checked ones, so every check would pass
-    again; any other call runs the checks (raising as ever) and keeps a guard of its
-    tensors.  Where torch offers no such guard, every call runs the checks."""
+    metadata.  So the key here holds what the lists are checked against: hidden's
+    trailing shape and device, the list lengths and the other arguments but the routing
+    tensors (:func:`meta_key`).  It maps to a C++ guard (:func:`metadata_guard`) of the
+    last lists that passed every check under it.  A call whose list tensors pass that
+    guard has every list tensor's dtype, device, shape and strides equal to checked
+    ones, so only the routing tensors' checks (which change with the token count) run
+    again; any other call runs every check (raising as ever) and keeps a guard of its
+    tensors.  Where torch offers no such guard, every call runs every check."""
 
     def __init__(self, check):
         self._check = check
-        self._guards: dict = {}  # (meta_key of the other arguments, list lengths) -> guard
+        self._guards: dict = {}  # (hidden's trailing shape and device, list lengths, meta_key of the rest) -> guard
 
     def __call__(self, *args) -> None:
+        hidden, top_k_index, top_k_weights = args[:3]
         lists = args[3:7]
         tensors = [*lists[0], *lists[1], *lists[2], *lists[3]]
-        key = (meta_key(args[:3] + args[7:]), *map(len, lists))
+        key = (hidden.shape[1:], hidden.device, *map(len, lists), meta_key(args[7:]))
         guard = self._guards.get(key)
         if guard is not None and guard(*tensors):
+            _check_routing(hidden, top_k_index, top_k_weights)
+            _check_same_device(hidden=hidden, top_k_index=top_k_index, top_k_weights=top_k_weights)
             return
         self._check(*args)
         guard = metadata_guard(tensors)

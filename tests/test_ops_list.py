@@ -143,27 +143,39 @@ def test_cuda_list_checks_run_once_per_metadata():
     # a replaced tensor of the same metadata (a reloaded parameter) passes the guard too
     checks(*_positional(_replace(a, "down_proj", 1, a["down_proj"][1].clone())))
     assert len(runs) == 1
-    # other metadata of the routing tensors (T = 3): another key, so the checks run
+    # another token count (T = 3): only the routing tensors' checks run again
     b = dict(a, hidden=a["hidden"][:3], top_k_index=a["top_k_index"][:3], top_k_weights=a["top_k_weights"][:3])
     checks(*_positional(b))
-    assert len(runs) == 2
-    # a separate gate / up layout: other list lengths, another key
+    assert len(runs) == 1
+    # a separate gate / up layout: other list lengths, another key, so every check runs
     checks(*_positional(_lists(separate=True)))
+    assert len(runs) == 2
+    # the same lists with static activation scales: another key
+    checks(*_positional(dict(a, gate_up_act_scale=torch.ones(4), down_act_scale=torch.ones(4))))
     assert len(runs) == 3
+
+
+# bad routing tensors: checked on every call, whatever the guard says of the lists
+ROUTING_BAD = [
+    (lambda a: dict(a, top_k_index=a["top_k_index"].float()), TypeError, "top_k_index: expected dtype torch.int32"),
+    (lambda a: dict(a, top_k_weights=a["top_k_weights"][:, :1]), ValueError, r"top_k_weights: expected shape \(5, 2\)"),
+    (lambda a: dict(a, top_k_index=a["top_k_index"][:3]), ValueError, r"top_k_index: expected shape \(5, top_k\)"),
+    (lambda a: dict(a, hidden=a["hidden"].to(torch.float8_e4m3fn)), TypeError, "hidden: expected dtype bfloat16"),
+    (lambda a: dict(a, top_k_weights=a["top_k_weights"].to("meta")), ValueError, "top_k_weights: expected a tensor on cpu"),
+]
 
 
 # every bad input but the value check (negative scales: CPU only, no device sync on CUDA)
 METADATA_BAD = [case for case in BAD if "finite positive" not in case[2]]
 
 
-@pytest.mark.parametrize("change,exc,match", METADATA_BAD)
+@pytest.mark.parametrize("change,exc,match", METADATA_BAD + ROUTING_BAD)
 def test_cuda_list_checks_catch_bad_input_after_good_calls(change, exc, match):
     checks, runs = _counted_list_checks()
     checks(*_positional(_lists()))
     checks(*_positional(_lists()))
     with pytest.raises(exc, match=match):
         checks(*_positional(change(_lists())))
-    assert len(runs) == 2  # the guard refused the bad tensors and the checks ran
 
 
 def test_cuda_list_checks_without_a_guard_run_every_call(monkeypatch):
