@@ -238,6 +238,17 @@ def test_module_overhead_runs_on_cpu_and_restores_the_op(common, monkeypatch, tm
         for part in ("forward, op stubbed", "_check_inputs", "expert_weights")]
 
 
+
+def test_list_parts_runs_on_cpu(common, monkeypatch, tmp_path):
+    parts = _load("list_parts", monkeypatch)
+    monkeypatch.setattr(sys, "argv", ["list_parts.py", "--out-dir", str(tmp_path), "--device", "cpu",
+                                      "--experts", "4", "--calls", "2"])
+    assert parts.main() == 0
+    _, results = common.read_json(str(tmp_path / "list_parts.json"))
+    assert [(r.config.model, r.config.variant, r.metrics["tensors"]) for r in results if r.ok] == [
+        (f"E=4 {form}", part, count) for form, count in (("fused", 16), ("separate", 24))
+        for part in ("boxing", "check_experts_list", "ListChecks", "address_table")]
+
 def test_static_gap_calibrates_each_expert_on_its_own_tokens(common, monkeypatch):
     # the gate_up scale of expert e is the amax of the tokens routed to e / 448 (an expert
     # without tokens gets the layer's largest, as calibrate_static_scales gives it); the
