@@ -18,6 +18,10 @@ pieces' cost does not depend on the matrices' size.  Per case, µs of CPU per ca
 * ``ListChecks``: the checks as CUDA calls run them (a guard of the checked tensors'
   metadata, then the routing tensors' checks);
 * ``address_table``: the cached table of the tensors' addresses (reads every address);
+* ``addresses, torch's C++ compare``: the same addresses compared in one C++ call,
+  ``torch._C._tensors_data_ptrs_at_indices_equal`` (what CUDA-graph trees check their
+  static inputs with; CUDA builds of torch only), against the table's
+  ``tuple(map(Tensor.data_ptr, ...))``;
 * ``kernel entry``: ``fp8_moe_ops.kernels.grouped_experts_list`` without the checks
   (the table, the launch plan's replay, the launches; CUDA only).
 
@@ -72,6 +76,11 @@ def parts(args: tuple, boxing_op) -> dict:
         "ListChecks": lambda: checks(*args),
         "address_table": lambda: address_table(lists, hidden.device),
     }
+    compare = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
+    if compare is not None:
+        tensors = [t for ts in lists for t in ts]
+        ptrs, indices = [t.data_ptr() for t in tensors], list(range(len(tensors)))
+        fns["addresses, torch's C++ compare"] = lambda: compare(tensors, ptrs, indices)
     if hidden.is_cuda:
         from fp8_moe_ops import kernels
 

@@ -31,7 +31,8 @@ def main() -> int:
     p.add_argument("--out", required=True, help="the PNG to write")
     p.add_argument("runs", nargs="+", help="label=path of a bench_modlist.json (labels repeat: one per process)")
     p.add_argument("--tokens", type=int, default=1)
-    p.add_argument("--title", default="grouped_experts_list: host time per eager call, T=1 (H200 host, one point per process)")
+    p.add_argument("--title", default="grouped_experts_list: host time per eager call, T={tokens} "
+                   "(H200 host, one point per process)", help="{tokens}: the token count")
     args = p.parse_args()
     import matplotlib
 
@@ -54,7 +55,7 @@ def main() -> int:
     ax.set_xticklabels([f"{model.split('_')[0]}\n{form}" for model, form in cases], fontsize=8)
     ax.set_ylabel("host µs per call")
     ax.set_ylim(bottom=0)
-    ax.set_title(args.title, fontsize=10)
+    ax.set_title(args.title.format(tokens=args.tokens), fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(args.out, dpi=110)

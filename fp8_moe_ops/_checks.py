@@ -7,6 +7,7 @@ or shape) whose message names the argument and says what was expected and what c
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -77,45 +78,41 @@ def meta_key(args: tuple) -> tuple:
                  else tuple(a) if isinstance(a, list) else a for a in args)
 
 
-def _tensor_guards():
-    """torch's C++ tensor-metadata guard class (``torch._C._dynamo.guards.TensorGuards``,
-    which Dynamo's guards are built on), or None where this torch has none that behaves
-    as :func:`metadata_guard` needs: it is internal, so its behaviour is checked once
-    on CPU tensors before it is trusted."""
+@functools.cache
+def _guard_factory() -> Callable[..., object] | None:
+    """``tensors -> a guard object`` built on torch's C++ tensor-metadata guard class
+    (``torch._C._dynamo.guards.TensorGuards``, which Dynamo's guards are built on), or
+    None where this torch has none that behaves as :func:`metadata_guard` needs: the
+    class is internal, so it is tried once on CPU tensors before it is trusted."""
     try:
         from torch._C._dynamo.guards import TensorGuards
 
-        a, b = torch.zeros(2, 3), torch.zeros(3, 1, dtype=torch.float8_e4m3fn)
-
-        def guard(*ts):
+        def factory(*ts):
             return TensorGuards(*ts, dynamic_dims_sizes=[list(t.shape) for t in ts],
                                 dynamic_dims_strides=[list(t.stride()) for t in ts])
 
-        g = guard(a, b)
+        a, b = torch.zeros(2, 3), torch.zeros(3, 1, dtype=torch.float8_e4m3fn)
+        g = factory(a, b)
         keeps = g.check(torch.ones(2, 3), torch.ones(3, 1).to(torch.float8_e4m3fn))
         refuses = not any(g.check(a, other) for other in (
-            b.t(), b.float(), torch.zeros(3, 2, dtype=torch.float8_e4m3fn)[:, :1], b.view(3, 1, 1),
-            torch.zeros(4, 1, dtype=torch.float8_e4m3fn), a))
+            torch.zeros(2, 2, dtype=torch.float8_e4m3fn)[:, :1],  # strides
+            b.float(), torch.zeros(4, 1, dtype=torch.float8_e4m3fn), b.view(3, 1, 1),  # dtype, shape, rank
+            b.to("meta"), a))  # device, another tensor's everything
     except Exception:  # an internal API: anything unexpected means "not available"
         return None
-    return guard if keeps and refuses else None
-
-
-_GUARD_FACTORY: list = []  # [the factory of _tensor_guards or None], filled on first use
+    return factory if keeps and refuses else None
 
 
 def metadata_guard(tensors: Sequence[torch.Tensor]) -> Callable[..., bool] | None:
-    """A C++ check ``guard(*others) -> bool``: whether ``others`` (as many tensors as
-    ``tensors``) each have exactly the metadata of their counterpart (dtype, device,
-    shape, strides, dispatch keys, requires_grad), in 60-90 ns a tensor on the CPU
-    machine.  It keeps no reference to the tensors.  None where this torch offers no
-    such check (callers then run their checks on every call).
+    """A C++ check ``guard(*others) -> bool``, for ``others`` as many tensors as
+    ``tensors``: whether each has exactly its counterpart's metadata (dtype, device,
+    shape, strides, dispatch keys, requires_grad).  It costs 60-180 ns a tensor (the
+    CPU machine and the H200's host), and keeps no reference to the tensors.  None where
+    this torch offers no such check: callers then run their checks on every call.
 
     For ops taking hundreds of tensors (``grouped_experts_list``: four lists over every
     expert), where a Python key of every tensor's metadata would cost as much as the
-    checks it saves: the checks run once, and later calls whose tensors pass the guard
-    of checked ones are checked."""
-    if not _GUARD_FACTORY:
-        _GUARD_FACTORY.append(_tensor_guards())
-    factory = _GUARD_FACTORY[0]
+    checks it would save: the checks run once, and a later call whose tensors pass the
+    guard of checked ones skips them."""
+    factory = _guard_factory()
     return None if factory is None else factory(*tensors).check

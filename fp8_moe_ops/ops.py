@@ -485,31 +485,41 @@ class ListChecks:
     about 0.5 µs a tensor in Python, and so would a Python key of every tensor's
     metadata.  So the key here holds what the lists are checked against: hidden's
     trailing shape and device, the list lengths and the other arguments but the routing
-    tensors (:func:`meta_key`).  It maps to a C++ guard (:func:`metadata_guard`) of the
-    last lists that passed every check under it.  A call whose list tensors pass that
-    guard has every list tensor's dtype, device, shape and strides equal to checked
-    ones, so only the routing tensors' checks (which change with the token count) run
-    again; any other call runs every check (raising as ever) and keeps a guard of its
-    tensors.  Where torch offers no such guard, every call runs every check."""
+    tensors (:func:`meta_key`).  It maps to C++ guards (:func:`metadata_guard`) of the
+    last few sets of lists that passed every check under it (a few: one model may call
+    with Parameters in one layer and plain tensors in another, and a guard costs about
+    as much to build as the checks).  A call whose list tensors pass one of them has
+    every list tensor's dtype, device, shape and strides equal to checked ones, so only
+    the routing tensors' checks (which change with the token count) run again; any
+    other call runs every check (raising as ever) and keeps a guard of its tensors.
+    Where torch offers no such guard, every call runs every check."""
+
+    GUARDS_PER_KEY = 4
+    MAX_KEYS = 256  # cleared when full (a model has a handful)
 
     def __init__(self, check):
         self._check = check
-        self._guards: dict = {}  # (hidden's trailing shape and device, list lengths, meta_key of the rest) -> guard
+        # (hidden's trailing shape and device, list lengths, meta_key of the rest) -> guards, newest last
+        self._guards: dict[tuple, list] = {}
 
     def __call__(self, *args) -> None:
         hidden, top_k_index, top_k_weights = args[:3]
         lists = args[3:7]
         tensors = [*lists[0], *lists[1], *lists[2], *lists[3]]
         key = (hidden.shape[1:], hidden.device, *map(len, lists), meta_key(args[7:]))
-        guard = self._guards.get(key)
-        if guard is not None and guard(*tensors):
-            _check_routing(hidden, top_k_index, top_k_weights)
-            _check_same_device(hidden=hidden, top_k_index=top_k_index, top_k_weights=top_k_weights)
-            return
+        guards = self._guards.get(key, ())
+        for guard in reversed(guards):
+            if guard(*tensors):
+                _check_routing(hidden, top_k_index, top_k_weights)
+                _check_same_device(hidden=hidden, top_k_index=top_k_index, top_k_weights=top_k_weights)
+                return
         self._check(*args)
         guard = metadata_guard(tensors)
-        if guard is not None:
-            self._guards[key] = guard
+        if guard is None:
+            return
+        if key not in self._guards and len(self._guards) >= self.MAX_KEYS:
+            self._guards.clear()
+        self._guards[key] = [*guards, guard][-self.GUARDS_PER_KEY:]
 
 
 grouped_experts_list = _experts_op("grouped_experts_list", EXPERTS_LIST_SCHEMA, check_experts_list,

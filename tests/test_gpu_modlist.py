@@ -155,6 +155,23 @@ def test_capture_without_a_table_is_a_clear_error():
             OPS.grouped_experts_list(**fresh)
 
 
+
+@pytest.mark.parametrize("change,exc,match", [
+    (lambda a: dict(a, down_proj=[a["down_proj"][0], a["down_proj"][1].t().contiguous().t(), *a["down_proj"][2:]]),
+     ValueError, r"down_proj\[1\]: expected a contiguous tensor"),
+    (lambda a: dict(a, gate_up_scale_inv=[*a["gate_up_scale_inv"][:3], a["gate_up_scale_inv"][3].cpu()]),
+     ValueError, r"gate_up_scale_inv\[3\]: expected shape .* on cuda"),
+    (lambda a: dict(a, top_k_index=a["top_k_index"].float()), TypeError, "top_k_index: expected dtype torch.int32"),
+], ids=["non-contiguous weight", "scale on the CPU", "float ids"])
+def test_bad_input_after_good_calls_still_raises(change, exc, match):
+    # the CUDA kernel checks the lists once per metadata (ops.ListChecks): a bad call
+    # after good ones must meet the checks all the same
+    _, lists = _stacked_and_lists(16, 4, 256, 128, 2, False, seed=6)
+    for _ in range(2):
+        OPS.grouped_experts_list(**lists)
+    with pytest.raises(exc, match=match):
+        OPS.grouped_experts_list(**change(lists))
+
 def _negated(w):
     """-w of an e4m3 tensor (a new tensor): the sign bit flipped."""
     return w.view(torch.uint8).bitwise_xor(0x80).view(torch.float8_e4m3fn)

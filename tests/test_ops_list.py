@@ -113,7 +113,6 @@ def test_bad_input(change, exc, match):
         OPS.grouped_experts_list(**change(_lists()))
 
 
-
 def _positional(a: dict) -> tuple:
     """The op's arguments in schema order, as the dispatcher hands them to a kernel."""
     return (a["hidden"], a["top_k_index"], a["top_k_weights"], a["gate_up_proj"], a["gate_up_scale_inv"],
@@ -174,8 +173,34 @@ def test_cuda_list_checks_catch_bad_input_after_good_calls(change, exc, match):
     checks, runs = _counted_list_checks()
     checks(*_positional(_lists()))
     checks(*_positional(_lists()))
+    assert len(runs) == 1  # the second call passed the guard: the bad call meets it
     with pytest.raises(exc, match=match):
         checks(*_positional(change(_lists())))
+
+
+def test_cuda_list_checks_keep_a_few_sets_per_key():
+    # one model may pass Parameters in one layer and plain tensors in another (other
+    # requires_grad: the same key, another guard); alternating must not rerun the checks
+    checks, runs = _counted_list_checks()
+    a = _lists()
+    params = dict(a, **{name: [torch.nn.Parameter(t, requires_grad=True) for t in a[name]]
+                        for name in ("gate_up_proj", "down_proj")})
+    for _ in range(3):
+        checks(*_positional(a))
+        checks(*_positional(params))
+    assert len(runs) == 2
+    # more sets than a key keeps: the oldest goes, the newest stay
+    views = [dict(a, down_scale_inv=[s.t().contiguous().t() for s in a["down_scale_inv"]]),
+             dict(a, gate_up_scale_inv=[s.t().contiguous().t() for s in a["gate_up_scale_inv"]]),
+             dict(params, down_scale_inv=[s.t().contiguous().t() for s in a["down_scale_inv"]])]
+    for v in views:
+        checks(*_positional(v))
+    assert len(runs) == 5
+    assert [len(g) for g in checks._guards.values()] == [checks.GUARDS_PER_KEY]
+    checks(*_positional(params))  # among the newest four: guarded
+    assert len(runs) == 5
+    checks(*_positional(a))  # the oldest, dropped: checked again
+    assert len(runs) == 6
 
 
 def test_cuda_list_checks_without_a_guard_run_every_call(monkeypatch):
@@ -194,15 +219,18 @@ def test_metadata_guard_compares_every_tensors_metadata():
 
     ws = [torch.zeros(8, 4, dtype=torch.float8_e4m3fn) for _ in range(3)]
     ss = [torch.ones(2, 1) for _ in range(3)]
+    if not hasattr(torch._C._dynamo.guards, "TensorGuards"):
+        pytest.skip("this torch has no TensorGuards: the list checks run on every call")
     guard = metadata_guard(ws + ss)
-    assert guard is not None  # the installed torch has the C++ guard (else checks run per call)
+    assert guard is not None  # the class exists, so the probe must have accepted it
     assert guard(*[w.clone() for w in ws], *[s + 1 for s in ss])  # metadata, not values nor addresses
     for i, other in [(1, ws[1].float()), (2, ws[2].view(4, 8)), (0, ws[0].t().contiguous().t()),
-                     (4, torch.ones(4, 2)[:, :1]), (5, ss[2].view(2, 1, 1)), (3, ss[0].to("meta")),
+                     (4, torch.ones(2, 2)[:, :1]), (5, ss[2].view(2, 1, 1)), (3, ss[0].to("meta")),
                      (4, torch.ones(2, 1, requires_grad=True))]:
         changed = ws + ss
         changed[i] = other
         assert not guard(*changed), (i, other.shape, other.stride(), other.dtype, other.device)
+
 
 def test_bad_separate_gate_up_shape():
     a = _lists(separate=True)
@@ -287,3 +315,13 @@ def test_address_table_knows_unaligned_weights():
     odd = buf[8:].view(64, 32)
     lists = (a["gate_up_proj"], a["gate_up_scale_inv"], [odd, *a["down_proj"][1:]], a["down_scale_inv"])
     assert not address_table(lists, torch.device("cpu"))[1]
+
+    def four(**changed):
+        return tuple(changed.get(n, a[n]) for n in ("gate_up_proj", "gate_up_scale_inv", "down_proj", "down_scale_inv"))
+
+    # the same for a gate_up weight; a scale grid at an odd address is no weight: still aligned
+    odd_gu = torch.empty(64 * 64 + 8, dtype=torch.float8_e4m3fn)[8:].view(64, 64)
+    assert not address_table(four(gate_up_proj=[*a["gate_up_proj"][:3], odd_gu]), torch.device("cpu")).aligned
+    odd_s = torch.empty(a["down_scale_inv"][0].numel() + 1)[1:].view(a["down_scale_inv"][0].shape)
+    assert odd_s.data_ptr() % 16
+    assert address_table(four(down_scale_inv=[odd_s, *a["down_scale_inv"][1:]]), torch.device("cpu")).aligned

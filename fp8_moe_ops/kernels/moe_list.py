@@ -39,6 +39,7 @@ from .moe import _block
 
 __all__ = ["grouped_experts_list"]
 
+
 class Table(NamedTuple):
     """A cached address table: the int64 device tensor, whether every weight address is
     a multiple of 16 bytes, and its views over the four lists (kept, not sliced per call)."""
@@ -79,7 +80,8 @@ def address_table(lists: tuple, device: torch.device) -> Table:
         table = torch.tensor(ptrs, dtype=torch.int64, device=device)
         g, gs, e = lengths[:3]
         aligned = all(p % 16 == 0 for p in ptrs[:g] + ptrs[g + gs:g + gs + e])
-        entry = _TABLES[key] = Table(table, aligned, tuple(table.split(lengths)))
+        # setdefault: a table another thread has just built and handed out stays the table
+        entry = _TABLES.setdefault(key, Table(table, aligned, tuple(table.split(lengths))))
     return entry
 
 
