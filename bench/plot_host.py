@@ -30,6 +30,17 @@ def metric(path: str, name: str, variant: str) -> dict[tuple[str, int], float]:
             for r in results if r.ok and r.config.variant == variant}
 
 
+def save_figure(fig, ax, title: str, out: str) -> None:
+    """Title, legend and layout of the bench figures; writes ``out`` and closes ``fig``."""
+    import matplotlib.pyplot as plt
+
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="the PNG to write")
@@ -65,11 +76,7 @@ def main() -> int:
     ax.set_xticks([c + width * (len(runs) - 1) / 2 for c in range(len(cases))])
     ax.set_xticklabels([f"{model.split('_')[0]}\nT={T}" for model, T in cases], fontsize=8)
     ax.set_ylabel(args.ylabel)
-    ax.set_title(args.title, fontsize=10)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(args.out, dpi=110)
-    plt.close(fig)
+    save_figure(fig, ax, args.title, args.out)
     print(f"wrote {args.out} ({len(cases)} cases, {len(runs)} runs)")
     return 0
 

@@ -15,6 +15,8 @@ import argparse
 import json
 import sys
 
+from plot_host import save_figure
+
 FORMS = ("stacked", "fused", "separate")
 
 
@@ -55,11 +57,7 @@ def main() -> int:
     ax.set_xticklabels([f"{model.split('_')[0]}\n{form}" for model, form in cases], fontsize=8)
     ax.set_ylabel("host µs per call")
     ax.set_ylim(bottom=0)
-    ax.set_title(args.title.format(tokens=args.tokens), fontsize=10)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(args.out, dpi=110)
-    plt.close(fig)
+    save_figure(fig, ax, args.title.format(tokens=args.tokens), args.out)
     print(f"wrote {args.out} ({len(cases)} cases, {len(runs)} runs)")
     return 0
 
