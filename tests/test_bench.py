@@ -300,16 +300,18 @@ def test_kernel_resources_compiles_a_launch_for_sm90_without_a_gpu():
     assert 0 < res["registers"] <= 255 and res["spill_bytes"] == 0 and res["shared_bytes"] >= 0
 
 
-def test_overlap_probe_compiles_both_forms_for_sm90_without_a_gpu():
-    # the Gluon probe of issue 14 (docs/benchmarks.md): compiled for sm_90a in a fresh
-    # process without the interpreter; the overlapped form must not be serialised by ptxas
+def test_overlap_probe_compiles_every_form_for_sm90_without_a_gpu():
+    # the Gluon probe of the compute-bound GEMM (docs/benchmarks.md): compiled for sm_90a
+    # in a fresh process without the interpreter; no form may be serialised by ptxas
     code = ("import sys; sys.path.insert(0, sys.argv[1]); import overlap_probe as op; "
-            "print([op.offline(0), op.offline(1)])")
+            "print({form: op.offline(form) for form in op.FORMS})")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", code, str(BENCH)], capture_output=True, text=True, timeout=300,
                           env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    waited, lagged = ast.literal_eval(proc.stdout.strip().splitlines()[-1])
-    assert waited["ffma_overlapped"] is None  # LAG=0 has no wait that leaves a group in flight
-    assert not lagged["serialised"] and lagged["ffma_overlapped"] > 0
-    assert all(0 < r["registers"] <= 255 for r in (waited, lagged))
+    res = ast.literal_eval(proc.stdout.strip().splitlines()[-1])
+    assert set(res) == {"lag0", "lag1", "ws", "ws6"}
+    assert res["lag0"]["ffma_overlapped"] is None  # lag0 has no wait that leaves a group in flight
+    assert res["lag1"]["ffma_overlapped"] > 0
+    assert res["ws"]["warps"] > 8  # the producer and the second consumer are extra warps
+    assert all(not r["serialised"] and 0 < r["registers"] <= 255 for r in res.values())
