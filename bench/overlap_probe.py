@@ -58,6 +58,17 @@ WARPS = 8
 
 
 @gluon.jit
+def _tile(tile_e_ptr, tile_r0_ptr, tile_r1_ptr, N, BN: gl.constexpr):
+    """The program's first column, expert, rows [row0, row1) and first weight row (in
+    the (E * N, K) view).  Column tiles first (grid axis 0): a row tile's A stays in L2
+    for all of them."""
+    n0 = gl.program_id(0) * BN
+    pid_m = gl.program_id(1)
+    e = gl.load(tile_e_ptr + pid_m)
+    return n0, e, gl.load(tile_r0_ptr + pid_m), gl.load(tile_r1_ptr + pid_m), e * N + n0
+
+
+@gluon.jit
 def _refill(a_desc, w_desc, a_smem, w_smem, bars, step, row0, wrow, KT, STAGES: gl.constexpr):
     """Load K step ``step`` (if there is one) into its ring slot."""
     s = step % STAGES
@@ -84,12 +95,7 @@ def probe_gemm_kernel(a_desc, w_desc, as_ptr, ws_ptr, out_ptr, tile_e_ptr, tile_
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
     BN: gl.constexpr = w_desc.block_type.shape[0]
-    n0 = gl.program_id(0) * BN  # column tiles first: a row tile's A stays in L2 for all of them
-    pid_m = gl.program_id(1)
-    e = gl.load(tile_e_ptr + pid_m)
-    row0 = gl.load(tile_r0_ptr + pid_m)
-    row1 = gl.load(tile_r1_ptr + pid_m)
-    wrow = e * N + n0
+    n0, e, row0, row1, wrow = _tile(tile_e_ptr, tile_r0_ptr, tile_r1_ptr, N, BN)
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                   instr_shape=[16, BN, 32])
     a_smem = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BM, BK], a_desc.layout)
@@ -175,12 +181,7 @@ def ws_gemm_kernel(a_desc, w_desc, as_ptr, ws_ptr, out_ptr, tile_e_ptr, tile_r0_
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
     BN: gl.constexpr = w_desc.block_type.shape[0]
-    n0 = gl.program_id(0) * BN  # column tiles first: a row tile's A stays in L2 for all of them
-    pid_m = gl.program_id(1)
-    e = gl.load(tile_e_ptr + pid_m)
-    row0 = gl.load(tile_r0_ptr + pid_m)
-    row1 = gl.load(tile_r1_ptr + pid_m)
-    wrow = e * N + n0
+    n0, e, row0, row1, wrow = _tile(tile_e_ptr, tile_r0_ptr, tile_r1_ptr, N, BN)
     a_smem = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BM, BK], a_desc.layout)
     w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BN, BK], w_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
