@@ -146,7 +146,7 @@ def _ws_producer(a_desc, w_desc, a_smem, w_smem, ready, empty, row0, wrow, KT, S
 
 @gluon.jit
 def _ws_consumer(a_smem, w_smem, ready, empty, as_ptr, ws_ptr, out_ptr, row0, row1, e, n0, N, KT, NB,
-              HALF: gl.constexpr, STAGES: gl.constexpr):
+                 HALF: gl.constexpr, STAGES: gl.constexpr):
     HM: gl.constexpr = a_smem.type.shape[1] // 2
     BN: gl.constexpr = w_smem.type.shape[1]
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 32])

@@ -238,7 +238,6 @@ def test_module_overhead_runs_on_cpu_and_restores_the_op(common, monkeypatch, tm
         for part in ("forward, op stubbed", "_check_inputs", "expert_weights")]
 
 
-
 def test_list_parts_runs_on_cpu(common, monkeypatch, tmp_path):
     parts = _load("list_parts", monkeypatch)
     monkeypatch.setattr(sys, "argv", ["list_parts.py", "--out-dir", str(tmp_path), "--device", "cpu",
@@ -250,6 +249,7 @@ def test_list_parts_runs_on_cpu(common, monkeypatch, tmp_path):
         pieces.append("addresses, torch's C++ compare")
     assert [(r.config.model, r.config.variant, r.metrics["tensors"]) for r in results if r.ok] == [
         (f"E=4 {form}", part, count) for form, count in (("fused", 16), ("separate", 24)) for part in pieces]
+
 
 def test_static_gap_calibrates_each_expert_on_its_own_tokens(common, monkeypatch):
     # the gate_up scale of expert e is the amax of the tokens routed to e / 448 (an expert

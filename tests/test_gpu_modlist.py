@@ -155,7 +155,6 @@ def test_capture_without_a_table_is_a_clear_error():
             OPS.grouped_experts_list(**fresh)
 
 
-
 @pytest.mark.parametrize("change,exc,match", [
     (lambda a: dict(a, down_proj=[a["down_proj"][0], a["down_proj"][1].t().contiguous().t(), *a["down_proj"][2:]]),
      ValueError, r"down_proj\[1\]: expected a contiguous tensor"),
@@ -171,6 +170,7 @@ def test_bad_input_after_good_calls_still_raises(change, exc, match):
         OPS.grouped_experts_list(**lists)
     with pytest.raises(exc, match=match):
         OPS.grouped_experts_list(**change(lists))
+
 
 def _negated(w):
     """-w of an e4m3 tensor (a new tensor): the sign bit flipped."""
