@@ -27,6 +27,8 @@ import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from common import BLOCK, MODELS, ExperimentConfig, Runner, markdown_table, parse_sweep
 from fp8_moe_ops.kernels.experts import shape_calls
@@ -45,7 +47,9 @@ def resources(call) -> dict:
     runtime = [n for n in fn.arg_names if n not in call.constexprs]
     constexprs, sig, divisible = dict(call.constexprs), {}, set()
     for name, a in zip(runtime, call.args):
-        if isinstance(a, torch.Tensor):
+        if isinstance(a, TensorDescriptor):  # a Gluon kernel's TMA descriptor (kernels/ws_gemm.py)
+            sig[name] = f"tensordesc<{_TYPES[a.base.dtype][1:]}{list(a.block_shape)},{a.layout!r}>"
+        elif isinstance(a, torch.Tensor):
             sig[name] = _TYPES[a.dtype]
             divisible.add(name)  # as the workspace's buffers and the weights are
         elif isinstance(a, float):
@@ -58,7 +62,8 @@ def resources(call) -> dict:
                 divisible.add(name)
     sig.update({n: "constexpr" for n in constexprs})
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n in divisible}
-    compiled = triton.compile(ASTSource(fn, sig, constexprs, attrs), target=TARGET, options=dict(call.options))
+    source = GluonASTSource if isinstance(fn, GluonJITFunction) else ASTSource
+    compiled = triton.compile(source(fn, sig, constexprs, attrs), target=TARGET, options=dict(call.options))
     with tempfile.TemporaryDirectory() as tmp:
         ptx = os.path.join(tmp, "k.ptx")
         with open(ptx, "w") as f:

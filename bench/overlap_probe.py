@@ -18,7 +18,9 @@ overlap); ``lag0`` waits for both.
 warp issues the TMA loads, two consumer warpgroups take 64 rows of the tile each and meet
 only at the ring's mbarriers, so one rescales while the other's MMAs run (the structure
 of the fastest Hopper GEMMs).  Every form takes the tile's column tiles first (grid axis
-0), so a row tile's activations stay in L2.
+0), so a row tile's activations stay in L2.  ``ws`` became the package's prefill kernel
+(``fp8_moe_ops/kernels/ws_gemm.py``, with the device-side tile map and the whole
+contract); the probe's ``ws`` forms use its producer warp.
 
 ``--offline`` compiles every form for sm_90a (as ``kernel_resources.py`` does) and
 reports registers, warps, shared memory, ptxas' C7514 warning (wgmma serialised) and,
@@ -49,6 +51,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 from common import MODELS, ExperimentConfig, Runner, log, make_weights, markdown_table
+from fp8_moe_ops.kernels.gluon_gemm import _producer, ring  # the shipped kernel's ring and producer warp
 
 CASES = [("deepseek_v3", 8192, "down"), ("deepseek_v3", 8192, "gate_up"), ("qwen3_30b_a3b", 16384, "down"),
          ("qwen3_30b_a3b", 16384, "gate_up"), ("mixtral_8x7b", 16384, "down"), ("mixtral_8x7b", 16384, "gate_up")]
@@ -132,19 +135,6 @@ def probe_gemm_kernel(a_desc, w_desc, as_ptr, ws_ptr, out_ptr, tile_e_ptr, tile_
 
 
 @gluon.jit
-def _ws_producer(a_desc, w_desc, a_smem, w_smem, ready, empty, row0, wrow, KT, STAGES: gl.constexpr):
-    BK: gl.constexpr = a_desc.block_type.shape[1]
-    nbytes: gl.constexpr = a_desc.block_type.nbytes + w_desc.block_type.nbytes
-    for i in range(KT):
-        s = i % STAGES
-        # the slot's previous K step (i - STAGES) must be released by both consumers
-        mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1, pred=i >= STAGES)
-        mbarrier.expect(ready.index(s), nbytes)
-        tma.async_copy_global_to_shared(a_desc, [row0, i * BK], ready.index(s), a_smem.index(s))
-        tma.async_copy_global_to_shared(w_desc, [wrow, i * BK], ready.index(s), w_smem.index(s))
-
-
-@gluon.jit
 def _ws_consumer(a_smem, w_smem, ready, empty, as_ptr, ws_ptr, out_ptr, row0, row1, e, n0, N, KT, NB,
                  HALF: gl.constexpr, STAGES: gl.constexpr):
     HM: gl.constexpr = a_smem.type.shape[1] // 2
@@ -182,17 +172,11 @@ def ws_gemm_kernel(a_desc, w_desc, as_ptr, ws_ptr, out_ptr, tile_e_ptr, tile_r0_
     BK: gl.constexpr = a_desc.block_type.shape[1]
     BN: gl.constexpr = w_desc.block_type.shape[0]
     n0, e, row0, row1, wrow = _tile(tile_e_ptr, tile_r0_ptr, tile_r1_ptr, N, BN)
-    a_smem = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BM, BK], a_desc.layout)
-    w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BN, BK], w_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for j in gl.static_range(STAGES):
-        mbarrier.init(ready.index(j), count=1)
-        mbarrier.init(empty.index(j), count=2)
+    a_smem, w_smem, ready, empty = ring(a_desc, w_desc, STAGES)
     gl.warp_specialize([
         (_ws_consumer, (a_smem, w_smem, ready, empty, as_ptr, ws_ptr, out_ptr, row0, row1, e, n0, N, KT, NB, 0, STAGES)),
         (_ws_consumer, (a_smem, w_smem, ready, empty, as_ptr, ws_ptr, out_ptr, row0, row1, e, n0, N, KT, NB, 1, STAGES)),
-        (_ws_producer, (a_desc, w_desc, a_smem, w_smem, ready, empty, row0, wrow, KT, STAGES)),
+        (_producer, (a_desc, w_desc, a_smem, w_smem, ready, empty, row0, wrow, KT, STAGES)),
     ], [4, 1], [CONSUMER_REGS, 40])
     for j in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(j))

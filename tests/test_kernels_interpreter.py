@@ -385,6 +385,32 @@ def test_experts_every_slot_a_sentinel(static):
     assert torch.equal(out, torch.zeros_like(out))
 
 
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+@pytest.mark.parametrize("kind", ["sentinel", "empty"])
+def test_experts_gate_up_a_quantised_in_sorted_order_equals_gathered_bitwise(static, kind):
+    # at prefill on Hopper the gate_up GEMM reads its A in place (kernels/ws_gemm.py cannot
+    # gather): each token quantised once and stored at its slots' sorted rows (dynamic
+    # too), the same bytes and scales as the gathered rows, so the same output.  MAX_SLOTS
+    # lowered: the torch sort's (prefill) path at an interpreter-sized S = 111
+    args, kw = _experts_args((37, 7, 64, 48, 3, [16, 16], kind), torch.bfloat16, torch.float32, static, seed=3)
+    launched = []
+
+    def spy(*a, **k):
+        launched.append(real_calls(*a, **k))
+        return launched[-1]
+
+    real_calls = experts._calls
+    with mock.patch.object(experts, "MAX_SLOTS", 16):
+        gathered = kernels.grouped_experts(*args, **kw)
+        with mock.patch.object(experts, "_sorted_a", lambda *_: True), mock.patch.object(experts, "_calls", spy):
+            in_place = kernels.grouped_experts(*args, **kw)
+    quant, gate_up = launched[0][:2]
+    assert quant.constexprs["SLOTS"] and quant.constexprs["DEST"] and not gate_up.constexprs["GATHER_A"]
+    assert quant.args[3].shape == (111, 64)  # q: one row per slot
+    assert torch.equal(in_place, gathered)
+    assert gathered.abs().sum() > 0
+
+
 def test_experts_empty_tokens():
     args, _ = _experts_args("T1", torch.bfloat16, torch.float32, static=False)
     args[0], args[1], args[2] = args[0][:0], args[1][:0], args[2][:0]

@@ -3,6 +3,8 @@
 Modules: :mod:`.quant` (activation quantisation), :mod:`.grouped_gemm` (block-scaled
 grouped GEMM with a device-side tile map), :mod:`.activation` (gated activation fused
 with the down projection's quantisation), :mod:`.combine` (deterministic combine),
+:mod:`.ws_gemm` (the warp-specialised Gluon GEMM taking prefill GEMMs on Hopper; its
+source :mod:`.gluon_gemm`),
 :mod:`.config` (checked-in launch configs), :mod:`.launch` (cached launches), :mod:`.moe`
 (the GEMM ops' entry points), :mod:`.experts` (the whole-experts forward and its launch
 plans), :mod:`.moe_list` (the entry point on per-expert weight lists).

@@ -11,7 +11,8 @@ would want its own table).  For the down GEMM with the combine in its launch
 narrowing alone would go to 32-column tiles: programs of the full ``BN`` stream wider
 weight tiles.  ``BN`` then narrows if that is not enough.  An entry's optional
 ``maxnreg`` caps a program's registers, so that enough programs fit an SM (dropped for
-a split-K launch).  The table was written from
+a split-K launch).  An entry's optional ``ws_min_k`` hands its GEMMs with K at least
+that to the Gluon kernel on an sm_90 GPU (:mod:`.ws_gemm`).  The table was written from
 the sweep of ``bench/tune.py`` on an H200 (winners per bucket, by hand: see
 docs/benchmarks.md); other GPUs use the same table.
 """

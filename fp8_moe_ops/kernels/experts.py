@@ -9,7 +9,10 @@ Layout of the forward (S = T * k slots, slot ``t*k + j`` is token t's j-th choic
    (T, H) per token (scales do not depend on the expert); static, the (S, H) slots
    with their expert's scale, in slot order (that needs the ids, not the sort);
 3. gate_up GEMM, A rows gathered by ``perm // k`` (static: ``perm``) -> h (S, 2I) in
-   sorted order;
+   sorted order.  Where the Gluon kernel takes it (:func:`_sorted_a`: prefill on
+   Hopper), step 2 instead stores each token's quantised row at its slots' sorted
+   rows (both schemes; ``slot_rows``, the inverse of ``perm``) and the GEMM reads A in
+   place: the same bytes and scales, so the same output;
 4. gated activation + quantisation -> (S, I) fp8; for S <= 16 (``ACT_SLOTS``: decode)
    in the gate_up GEMM's launch, by the last row tile to finish each quantisation
    group (:mod:`.grouped_gemm`), with counters the sort zeroes;
@@ -37,8 +40,9 @@ and every other argument's value; :mod:`.moe_list` keys its own) makes its sourc
 the same function (a strided ``top_k_index`` is copied dense on every call, as in the
 forward), allocates the output and one workspace and hands each launcher its list with
 the sources' addresses filled in: no launch config, grid, view or cache key is computed
-again.  A signature gets no plan (and runs the forward above on every call) for T = 0
-and for S > 2048 (the torch sort allocates, and the GPU's time dwarfs the CPU's).
+again.  A signature gets no plan (and runs the forward above on every call) for T = 0,
+for S > 2048 (the torch sort allocates, and the GPU's time dwarfs the CPU's) and where
+a launch is a Gluon kernel's (:func:`.launch.through_jit`).
 """
 
 from __future__ import annotations
@@ -52,9 +56,11 @@ from triton.runtime import driver
 
 from .. import routing
 from ..functional import cdiv, next_power_of_2
+from . import ws_gemm
 from .activation import ACT_IDS, _gated_act_quant_kernel
 from .combine import combine_call
-from .launch import KernelCall, cached, launch
+from .config import gemm_config
+from .launch import KernelCall, cached, launch, through_jit
 from .moe import Combine, Gated, _block, _flat, _gemm_call, _quant_call, down_split
 from .quant import quant_launch_shape
 from .sort import CNT_STEP, MAX_SLOTS, _sort_quant_kernel, sort_launch_shape
@@ -89,9 +95,10 @@ class Layout(NamedTuple):
 
 
 def _layout(T: int, k: int, E: int, H: int, I: int, bk: int, dtype: torch.dtype, static_gate_up: bool,
-            static_down: bool) -> Layout:
+            static_down: bool, sorted_a: bool = False) -> Layout:
     """The forward's intermediate buffers; ``perm`` / ``offsets`` only where the
-    one-launch sort runs (S <= 2048)."""
+    one-launch sort runs (S <= 2048); ``sorted_a``: the gate_up GEMM's A stored per
+    expert-sorted slot (:func:`_sorted_a`)."""
     S = T * k
     bufs = [("perm", torch.int32, (S,)), ("offsets", torch.int32, (E,))] if S <= MAX_SLOTS else []
     if S <= COMBINE_SLOTS:
@@ -99,9 +106,10 @@ def _layout(T: int, k: int, E: int, H: int, I: int, bk: int, dtype: torch.dtype,
         split = down_split(S, E, H, I)
         if split > 1:
             bufs.append(("partials", torch.float32, (S, split, H)))
-    bufs.append(("q", torch.float8_e4m3fn, (S if static_gate_up else T, H)))
+    q_rows = S if static_gate_up or sorted_a else T
+    bufs.append(("q", torch.float8_e4m3fn, (q_rows, H)))
     if not static_gate_up:
-        bufs.append(("q_scale", torch.float32, (T, cdiv(H, bk))))
+        bufs.append(("q_scale", torch.float32, (q_rows, cdiv(H, bk))))
     bufs += [("h", dtype, (S, 2 * I)), ("a_q", torch.float8_e4m3fn, (S, I))]
     if not static_down:
         bufs.append(("a_scale", torch.float32, (S, cdiv(I, bk))))
@@ -148,11 +156,22 @@ def _sort_quant_call(ids, perm, offsets, counters, E: int, x, q, q_scale, bk: in
             GROUP=bk, BLOCK_R=block_r, BLOCK_G=block_g), {})
 
 
+def _sorted_a(device: torch.device, gate_up: tuple, S: int, E: int, I: int, H: int, block: tuple[int, int]) -> bool:
+    """Whether the gate_up GEMM reads its A rows in place, stored per expert-sorted slot
+    rather than gathered per token: where the TMA kernel (:mod:`.ws_gemm`, which cannot
+    gather) runs it.  At prefill only (S > 2048, the torch sort's path), where storing
+    k rows per token costs a few percent of the GEMM it speeds up."""
+    w, w_scale = gate_up
+    return S > MAX_SLOTS and isinstance(w, torch.Tensor) and ws_gemm.usable(device, w, w_scale, block,
+                                                                          gemm_config(S, E, 2 * I, H))
+
+
 def _calls(env: dict, E: int, I: int, block: tuple[int, int], activation: str, swiglu_limit, gate_up: tuple,
-           down: tuple) -> list[KernelCall]:
+           down: tuple, sorted_a: bool = False) -> list[KernelCall]:
     """The forward's launches over the tensors of ``env`` (the op's routing tensors and
     act scales, ``out``, and the buffers of :func:`_layout`).  ``gate_up`` / ``down``:
-    the GEMMs' (w, w_scale), as :func:`.moe._gemm_call` takes them."""
+    the GEMMs' (w, w_scale), as :func:`.moe._gemm_call` takes them; ``sorted_a`` as
+    the layout's."""
     bk = block[1]
     hidden, ids = env["hidden"], env["top_k_index"]
     T = hidden.shape[0]
@@ -167,13 +186,17 @@ def _calls(env: dict, E: int, I: int, block: tuple[int, int], activation: str, s
     q = env["q"]
     static = gate_up_act_scale is not None
     q_scale = gate_up_act_scale if static else env["q_scale"]
-    if S <= MAX_SLOTS:
+    gemm = dict(offsets=offsets, perm=perm, gather_a=True, topk=1 if static else k, static=static)
+    if sorted_a:  # q (S, H) in sorted order, read in place: each token quantised once, stored per slot
+        calls = [_quant_call(hidden, q, q_scale, T, bk, static=static, topk=k, ids=ids, num_experts=E,
+                             dest=env["slot_rows"])]
+        gemm.update(gather_a=False, topk=1)
+    elif S <= MAX_SLOTS:
         calls = [_sort_quant_call(ids, perm, offsets, counters, E, hidden, q, q_scale, bk, static)]
     elif static:
         calls = [_quant_call(hidden, q, q_scale, T, bk, static=True, topk=k, ids=ids, num_experts=E)]
     else:
         calls = [_quant_call(hidden, q, q_scale, T, bk)]
-    gemm = dict(offsets=offsets, perm=perm, gather_a=True, topk=1 if static else k, static=static)
     # then act(gate) * up, rounded, quantised for the down projection: in the same launch
     # for S <= ACT_SLOTS, else its own
     a_q = env["a_q"]
@@ -241,14 +264,19 @@ def experts_forward(sources: dict, E: int, I: int, block: tuple[int, int], gate_
     if T == 0:
         return out, {}, Layout([], 0), []
     k = top_k_index.shape[1]
+    sorted_a = _sorted_a(hidden.device, gate_up, T * k, E, I, H, block)
     layout = _layout(T, k, E, H, I, block[1], hidden.dtype, sources["gate_up_act_scale"] is not None,
-                     sources["down_act_scale"] is not None)
+                     sources["down_act_scale"] is not None, sorted_a)
     ws = torch.empty(layout.nbytes, dtype=torch.uint8, device=hidden.device)
     env = dict(sources, out=out)
     env.update(zip((name for name, *_ in layout.buffers), layout.views(ws)))
     if T * k > MAX_SLOTS:
         env["perm"], env["offsets"] = routing.sort_slots(top_k_index, E)
-    calls = _calls(env, E, I, block, activation, swiglu_limit, gate_up, down)
+        if sorted_a:  # each slot's sorted position: where the quantisation stores it
+            perm = env["perm"]
+            rows = torch.arange(perm.numel(), device=perm.device)
+            env["slot_rows"] = torch.empty_like(perm).scatter_(0, perm, rows)
+    calls = _calls(env, E, I, block, activation, swiglu_limit, gate_up, down, sorted_a)
     for call in calls:
         launch(call)
     return out, env, layout, calls
@@ -334,7 +362,7 @@ class ExpertsPlan:
         the keys of its ``sources``, in the order a replay passes them), or None where
         it cannot have one (see the module's docstring)."""
         buffers = [name for name, *_ in layout.buffers]
-        if not calls or "perm" not in buffers:
+        if not calls or "perm" not in buffers or any(map(through_jit, calls)):
             return None
         sources = {}
         for i, name in enumerate([*names, "out", *buffers]):

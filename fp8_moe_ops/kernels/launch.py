@@ -33,6 +33,11 @@ import torch
 from triton.compiler.compiler import CompiledKernel
 from triton.runtime import driver
 
+try:
+    from triton.experimental.gluon._runtime import GluonJITFunction
+except ImportError:  # a Triton without Gluon: no kernel is one (isinstance of an empty tuple is False)
+    GluonJITFunction = ()
+
 
 def _c_head(function, metadata, cooperative, pdl) -> tuple:
     # the C function's arguments after grid and stream: function, cooperative grid, PDL,
@@ -155,7 +160,19 @@ def cached(call: KernelCall) -> Launch:
     return entry
 
 
+def through_jit(call: KernelCall) -> bool:
+    """Whether ``call`` launches through the JIT on every call: a Gluon kernel
+    (:mod:`.ws_gemm`) takes TMA descriptors, which neither the cache key nor a
+    launcher's plain argument list carries.  It runs at prefill only, where the JIT's
+    tens of microseconds are nothing beside the GEMM's milliseconds."""
+    return isinstance(call.kernel, GluonJITFunction)
+
+
 def launch(call: KernelCall | None) -> None:
     """Runs ``call`` through its cached :class:`Launch` (``None``: nothing to launch)."""
-    if call is not None:
+    if call is None:
+        return
+    if through_jit(call):
+        call.kernel[call.grid](*call.args, **call.constexprs, **call.options)
+    else:
         cached(call)(*call.args)

@@ -17,6 +17,7 @@ import torch
 
 from .. import routing
 from ..functional import cdiv, next_power_of_2
+from . import ws_gemm
 from .activation import ACT_IDS
 from .combine import slots_block
 from .config import block_k, gemm_config
@@ -64,13 +65,15 @@ def _sort_slots(expert_ids: torch.Tensor, E: int) -> tuple[torch.Tensor, torch.T
 
 
 def _quant_call(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, rows: int, bk: int, *, perm=None, offsets=None,
-                static: bool = False, topk: int = 1, ids=None, num_experts: int = 0) -> KernelCall | None:
+                static: bool = False, topk: int = 1, ids=None, num_experts: int = 0, dest=None) -> KernelCall | None:
     """Dynamic: x's ``rows`` rows -> q (rows, K) and their scales s (rows, G).  Static,
     with each row's expert's scale ``s`` (E,): the ``rows`` sorted rows (source row
     ``perm[i] // topk`` when ``perm`` is given), or with ``ids`` (the contiguous
     (T, topk) expert ids of ``num_experts``) x's ``rows`` = T rows into their T * topk
-    slots in slot order (slot ``t * topk + j``) -> q.  None when there is nothing to
-    launch."""
+    slots in slot order (slot ``t * topk + j``) -> q.  With ``ids`` and ``dest`` (the
+    (T * topk,) row of q for each slot), either scheme: slot ``i`` into row
+    ``dest[i]`` of q (dynamic: and of s).  Slots of no expert are skipped.  None when
+    there is nothing to launch."""
     if rows == 0:
         return None
     K = x.shape[1]
@@ -80,10 +83,11 @@ def _quant_call(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, rows: int, bk
     index = ids if slots else perm if perm is not None else q
     return KernelCall(_quant_kernel, grid, (
         x, x.stride(0), x.stride(1), q, s,
-        index, offsets if offsets is not None else q, s,
+        index, offsets if offsets is not None else q, s, dest if dest is not None else q,
         rows, K, E,
     ), dict(TOPK=topk, KP=next_power_of_2(topk), GROUP=bk, BLOCK_R=block_r, BLOCK_G=block_g,
-            SEARCH_STEPS=E.bit_length(), STATIC=static, GATHER=perm is not None, SLOTS=slots), {})
+            SEARCH_STEPS=E.bit_length(), STATIC=static, GATHER=perm is not None, SLOTS=slots, DEST=dest is not None),
+        {})
 
 
 def _quantize(x, bk: int, rows: int, *, perm=None, offsets=None, act_scale=None, topk: int = 1):
@@ -159,6 +163,11 @@ def _gemm_call(q, q_scale, w, w_scale, block, out, *, offsets=None, perm=None, g
         e8m0 = w_scale.dtype in (torch.float8_e8m0fnu, torch.uint8)
         ws = w_scale.view(torch.uint8) if w_scale.dtype == torch.float8_e8m0fnu else w_scale
         ws_strides, one_scale_row = _scale_strides(w_scale), w_scale.shape[1] == 1
+    if not table and combine is None and gated is None and not gather_a and offsets is not None \
+            and ws_gemm.usable(out.device, w, w_scale, block, cfg) and ws_gemm.tma_ready(q):
+        return ws_gemm.ws_gemm_call(q, q_scale, w, ws, ws_strides, block, out, offsets=offsets, perm=perm,
+                                    scatter_out=scatter_out, static=static, e8m0=e8m0, num_pid_m=num_pid_m,
+                                    group_m=cfg["GROUP_M"])
     dummy = out
     options = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if "maxnreg" in cfg:

@@ -133,16 +133,18 @@ def expert_of_rows(rows, offsets_ptr, E, SEARCH_STEPS: tl.constexpr):
 
 
 @triton.jit
-def quant_block(pid_r, g, x_ptr, stride_xm, stride_xk, q_ptr, s_ptr, perm_ptr, offsets_ptr, act_scale_ptr, R, K, E,
-                TOPK: tl.constexpr, KP: tl.constexpr, GROUP: tl.constexpr, BLOCK_R: tl.constexpr,
+def quant_block(pid_r, g, x_ptr, stride_xm, stride_xk, q_ptr, s_ptr, perm_ptr, offsets_ptr, act_scale_ptr, dest_ptr,
+                R, K, E, TOPK: tl.constexpr, KP: tl.constexpr, GROUP: tl.constexpr, BLOCK_R: tl.constexpr,
                 BLOCK_G: tl.constexpr, SEARCH_STEPS: tl.constexpr, STATIC: tl.constexpr, GATHER: tl.constexpr,
-                SLOTS: tl.constexpr):
+                SLOTS: tl.constexpr, DEST: tl.constexpr):
     """Row block ``pid_r``, K group ``g``: dynamic quantises x's rows in place order;
     static, with the scale of each row's expert, either the expert-sorted rows (source
     row perm[i] // TOPK when GATHER) or, with SLOTS, x's R = T rows (tokens) into their
     slots ``t * TOPK + j`` in slot order: each row is loaded once and quantised once per
     slot, with the scale of the slot's expert ``perm_ptr[slot]`` (the (T, TOPK) expert
-    ids; slots of no expert are skipped)."""
+    ids; slots of no expert are skipped).  With SLOTS and DEST, slot ``s`` goes to row
+    ``dest_ptr[s]`` instead (its expert-sorted position), dynamic too: each row is
+    quantised once, with its own scales, and stored once per slot, scales included."""
     rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     cg = tl.arange(0, BLOCK_G)
     cols = g * GROUP + cg
@@ -155,11 +157,18 @@ def quant_block(pid_r, g, x_ptr, stride_xm, stride_xk, q_ptr, s_ptr, perm_ptr, o
         slots = rows[:, None] * TOPK + js[None, :]
         expert = tl.load(perm_ptr + slots, mask=rmask[:, None] & (js[None, :] < TOPK), other=-1)
         smask = (expert >= 0) & (expert < E)
-        scale = tl.load(act_scale_ptr + expert, mask=smask, other=1.0)
+        out_rows = tl.load(dest_ptr + slots, mask=smask, other=0) if DEST else slots
+        out_rows = out_rows.to(tl.int64)
         x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm + cols[None, :] * stride_xk,
                     mask=rmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
-        q = quantize_static(x[:, None, :], scale[:, :, None])
-        tl.store(q_ptr + slots.to(tl.int64)[:, :, None] * K + cols[None, None, :], q,
+        if STATIC:
+            scale = tl.load(act_scale_ptr + expert, mask=smask, other=1.0)
+            q = quantize_static(x[:, None, :], scale[:, :, None])
+        else:
+            q1, s = quantize_dynamic(x)
+            q = tl.broadcast_to(q1[:, None, :], (BLOCK_R, KP, BLOCK_G))
+            tl.store(s_ptr + out_rows * tl.cdiv(K, GROUP) + g, tl.broadcast_to(s[:, None], (BLOCK_R, KP)), mask=smask)
+        tl.store(q_ptr + out_rows[:, :, None] * K + cols[None, None, :], q,
                  mask=smask[:, :, None] & cmask[None, None, :])
     else:
         src = rows
@@ -180,13 +189,15 @@ def _quant_kernel(
     x_ptr, stride_xm, stride_xk,  # x (rows of the source, K) float
     q_ptr, s_ptr,                  # q (R, K) e4m3 contiguous (SLOTS: (R * TOPK, K)); s (R, G) float32 (dynamic)
     perm_ptr, offsets_ptr, act_scale_ptr,
+    dest_ptr,                      # SLOTS with DEST: (R * TOPK,) each slot's row of q (and s)
     R, K, E,
     TOPK: tl.constexpr, KP: tl.constexpr, GROUP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr,
-    SEARCH_STEPS: tl.constexpr, STATIC: tl.constexpr, GATHER: tl.constexpr, SLOTS: tl.constexpr,
+    SEARCH_STEPS: tl.constexpr, STATIC: tl.constexpr, GATHER: tl.constexpr, SLOTS: tl.constexpr, DEST: tl.constexpr,
 ):
     # program (row block, K group)
     quant_block(tl.program_id(0), tl.program_id(1), x_ptr, stride_xm, stride_xk, q_ptr, s_ptr, perm_ptr, offsets_ptr,
-                act_scale_ptr, R, K, E, TOPK, KP, GROUP, BLOCK_R, BLOCK_G, SEARCH_STEPS, STATIC, GATHER, SLOTS)
+                act_scale_ptr, dest_ptr, R, K, E, TOPK, KP, GROUP, BLOCK_R, BLOCK_G, SEARCH_STEPS, STATIC, GATHER,
+                SLOTS, DEST)
 
 
 def quant_launch_shape(rows: int, K: int, group: int, slots: int = 1) -> tuple[tuple[int, int], int, int]:

@@ -1,0 +1,168 @@
+"""The Gluon source of the Hopper prefill GEMM; :mod:`.ws_gemm` says what it computes,
+when it runs, and builds its launch.  Gluon's API is experimental (it has moved between
+Triton releases): this module is written against Triton 3.6, and :mod:`.ws_gemm`
+imports it only where it can."""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+__all__ = ["TensorDescriptor", "_ws_gemm_kernel", "ring", "shared_layouts"]
+
+
+@gluon.jit
+def _add(a, b):
+    return a + b
+
+
+@gluon.jit
+def _tile_of(pid, offsets_ptr, S, E, num_pid_m, num_pid_n, BM: gl.constexpr, EP: gl.constexpr,
+             GROUP_M: gl.constexpr):
+    """(pid_n, expert, row0, row1, K steps to run) of program ``pid``: the grouped
+    kernel's tile map.  A tail tile (past the experts' rows) runs no K step over
+    [row0, S) and so stores zeros."""
+    per_group = GROUP_M * num_pid_n
+    first_m = (pid // per_group) * GROUP_M
+    group_m = gl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_m
+    pid_n = (pid % per_group) // group_m
+    lay: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    eo = gl.arange(0, EP, layout=lay)
+    emask = eo < E
+    # int32 whatever the offsets' dtype (TMA coordinates are 32-bit)
+    ends = gl.minimum(gl.load(offsets_ptr + eo, mask=emask, other=0).to(gl.int32), S)
+    starts = gl.minimum(gl.load(offsets_ptr + eo - 1, mask=emask & (eo > 0), other=0).to(gl.int32), S)
+    tiles = (gl.maximum(ends - starts, 0) + BM - 1) // BM
+    cum = gl.associative_scan(tiles, 0, _add)
+    total = gl.sum(tiles, 0)
+    e = gl.sum((cum <= pid_m).to(gl.int32), 0)
+    sel = eo == e
+    row0 = gl.sum(gl.where(sel, starts + (pid_m - (cum - tiles)) * BM, 0), 0)
+    row1 = gl.sum(gl.where(sel, ends, 0), 0)
+    tail = pid_m >= total
+    row0 = gl.where(tail, gl.max(ends, 0) + (pid_m - total) * BM, row0)
+    row1 = gl.where(tail, S, row1)
+    return pid_n, gl.minimum(e, E - 1), row0, row1, tail
+
+
+@gluon.jit
+def _weight_scale(ptr, SCALE_E8M0: gl.constexpr):
+    """One weight scale as float32; UE8M0 bytes expanded as :func:`.grouped_gemm.load_weight_scale`."""
+    if SCALE_E8M0:
+        u = gl.load(ptr).to(gl.int32)
+        bits = gl.where(u == 0, 0x400000, gl.where(u == 255, 0x7FC00000, u << 23))
+        return bits.to(gl.float32, bitcast=True)
+    else:
+        return gl.load(ptr)
+
+
+@gluon.jit
+def ring(a_desc, w_desc, STAGES: gl.constexpr):
+    """The shared-memory ring of ``STAGES`` K steps: A and weight tiles, and per slot a
+    ``ready`` mbarrier (the producer's TMA bytes arrived) and an ``empty`` one (both
+    consumer warpgroups are done with it)."""
+    a_smem = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for j in gl.static_range(STAGES):
+        mbarrier.init(ready.index(j), count=1)
+        mbarrier.init(empty.index(j), count=2)
+    return a_smem, w_smem, ready, empty
+
+
+@gluon.jit
+def _producer(a_desc, w_desc, a_smem, w_smem, ready, empty, row0, wrow, KT, STAGES: gl.constexpr):
+    BK: gl.constexpr = a_desc.block_type.shape[1]
+    nbytes: gl.constexpr = a_desc.block_type.nbytes + w_desc.block_type.nbytes
+    for i in range(KT):
+        s = i % STAGES
+        # the slot's previous K step (i - STAGES) must be released by both consumers
+        mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1, pred=i >= STAGES)
+        mbarrier.expect(ready.index(s), nbytes)
+        tma.async_copy_global_to_shared(a_desc, [row0, i * BK], ready.index(s), a_smem.index(s))
+        tma.async_copy_global_to_shared(w_desc, [wrow, i * BK], ready.index(s), w_smem.index(s))
+
+
+@gluon.jit
+def _consumer(a_smem, w_smem, ready, empty, as_ptr, stride_asm, ws_ptr, stride_wsk, out_ptr, stride_om, perm_ptr,
+              row0, row1, e, n0, N, KT, HALF: gl.constexpr, STAGES: gl.constexpr, BK_SCALE: gl.constexpr,
+              STATIC: gl.constexpr, SCATTER_OUT: gl.constexpr, SCALE_E8M0: gl.constexpr):
+    HM: gl.constexpr = a_smem.type.shape[1] // 2
+    BK: gl.constexpr = a_smem.type.shape[2]
+    BN: gl.constexpr = w_smem.type.shape[1]
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 32])
+    rows = row0 + HALF * HM + gl.arange(0, HM, layout=gl.SliceLayout(1, mma))
+    rmask = rows < row1
+    if STATIC:
+        # the expert's scale once per row, as the grouped kernel's static tiles read it
+        a_s = gl.load(as_ptr + e + 0 * rows, mask=rmask, other=0.0)
+    as_row = as_ptr + rows.to(gl.int64) * stride_asm
+    acc = gl.zeros((HM, BN), gl.float32, mma)
+    zero = gl.zeros((HM, BN), gl.float32, mma)
+    for i in range(KT):
+        s = i % STAGES
+        kg = (i * BK) // BK_SCALE
+        w_s = _weight_scale(ws_ptr + kg * stride_wsk, SCALE_E8M0)
+        if STATIC:
+            scale = a_s * w_s
+        else:
+            scale = gl.load(as_row + kg, mask=rmask, other=0.0) * w_s
+        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+        t = warpgroup_mma(a_smem.index(s).slice(HALF * HM, HM, dim=0), w_smem.index(s).permute((1, 0)), zero,
+                          use_acc=False, is_async=True)
+        t = warpgroup_mma_wait(num_outstanding=0, deps=(t, ))
+        mbarrier.arrive(empty.index(s), count=1)
+        acc = acc + t * scale[:, None]  # contracted to one FMA, as the grouped kernel's tl.fma
+    if SCATTER_OUT:
+        orow = gl.load(perm_ptr + rows, mask=rmask, other=0)
+    else:
+        orow = rows
+    cols = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, mma))
+    gl.store(out_ptr + orow.to(gl.int64)[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=rmask[:, None] & (cols < N)[None, :])
+
+
+@gluon.jit
+def _ws_gemm_kernel(
+    a_desc,                              # TMA: a (rows, K) e4m3, expert-sorted, tiles (128, 128)
+    as_ptr, stride_asm,                  # dynamic: (rows, ceil(K/bk)) f32; static: (E,) f32
+    w_desc,                              # TMA: the (E * N, K) view of w (E, N, K), tiles (128, 128)
+    ws_ptr, stride_wse, stride_wsn, stride_wsk,  # weight scale grid (0 strides broadcast)
+    out_ptr, stride_om,                  # out (rows, N)
+    perm_ptr,                            # (S,) sorted position -> slot (SCATTER_OUT)
+    offsets_ptr,                         # (E,) int32 inclusive cumsum of rows per expert
+    S, N, E, KT, num_pid_m,
+    BN_SCALE: gl.constexpr, BK_SCALE: gl.constexpr, STATIC: gl.constexpr, SCATTER_OUT: gl.constexpr,
+    SCALE_E8M0: gl.constexpr, EP: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr,
+):
+    BM: gl.constexpr = a_desc.block_type.shape[0]
+    BK: gl.constexpr = a_desc.block_type.shape[1]
+    BN: gl.constexpr = w_desc.block_type.shape[0]
+    pid_n, e, row0, row1, tail = _tile_of(gl.program_id(0), offsets_ptr, S, E, num_pid_m, gl.cdiv(N, BN), BM, EP,
+                                          GROUP_M)
+    kt = gl.where(tail, 0, KT)
+    n0 = pid_n * BN
+    wrow = e * N + n0
+    ws_tile = ws_ptr + e.to(gl.int64) * stride_wse + (n0 // BN_SCALE) * stride_wsn
+    a_smem, w_smem, ready, empty = ring(a_desc, w_desc, STAGES)
+    gl.warp_specialize([
+        (_consumer, (a_smem, w_smem, ready, empty, as_ptr, stride_asm, ws_tile, stride_wsk, out_ptr, stride_om,
+                     perm_ptr, row0, row1, e, n0, N, kt, 0, STAGES, BK_SCALE, STATIC, SCATTER_OUT, SCALE_E8M0)),
+        (_consumer, (a_smem, w_smem, ready, empty, as_ptr, stride_asm, ws_tile, stride_wsk, out_ptr, stride_om,
+                     perm_ptr, row0, row1, e, n0, N, kt, 1, STAGES, BK_SCALE, STATIC, SCATTER_OUT, SCALE_E8M0)),
+        (_producer, (a_desc, w_desc, a_smem, w_smem, ready, empty, row0, wrow, kt, STAGES)),
+    ], [4, 1], [CONSUMER_REGS, 40])
+    for j in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(j))
+        mbarrier.invalidate(empty.index(j))
+
+
+def shared_layouts():
+    """The NVMMA shared layouts of the A and weight tiles (what the descriptors carry)."""
+    layout = gl.NVMMASharedLayout.get_default_for([128, 128], gl.float8e4nv)
+    return layout, layout

@@ -1,0 +1,117 @@
+"""The prefill grouped GEMM on Hopper: warp-specialised, written in Gluon.
+
+Same contract and same arithmetic as :mod:`.grouped_gemm` for the case it takes over
+(expert-sorted A rows read in place, one weight scale per 128 x 128 tile and K step),
+so its output equals that kernel's bitwise; it only overlaps what that kernel cannot.
+Triton 3.6 waits for each K step's MMAs before the float32 rescale
+``acc += dot * scale`` (its pipeliner keeps a dot asynchronous only while nothing but
+another dot reads the result), so the tensor cores idle while the FMAs run.  Here, in
+Gluon (Triton's lower-level dialect, ``triton.experimental.gluon``, in the same wheel):
+
+- a producer warp streams each K step's A (128 x 128) and weight (128 x 128) tiles
+  with TMA into a ring of ``STAGES`` shared-memory slots (``ready`` mbarriers);
+- two consumer warpgroups take 64 rows of the tile each; each waits for its own MMAs,
+  releases the slot (``empty``, two arrivals), then rescales, so one warpgroup's FMAs
+  run while the other's MMAs do.
+
+The tile map is the grouped kernel's: every program finds its (expert, row tile)
+from the (E,) ``offsets`` (a scan of tiles per expert), with ``GROUP_M`` row tiles
+sharing each weight tile in L2.  Tiles past the experts' rows (the tail: sentinel
+slots) run no K step and store zeros, so every output row is written.  Rows of a
+tile past its expert's end, and K or N past the matrix, are loaded (TMA fills past
+the tensor with zeros; rows of the next expert are read and discarded) but never
+stored, so no result depends on them.
+
+Used only where :func:`usable` says so (an sm_90 GPU, a prefill entry of the launch
+table that chooses it, 128 x 128 blocks or coarser, TMA-aligned K); the grouped kernel
+runs everywhere else, and under ``TRITON_INTERPRET=1`` (Gluon has no interpreter).
+``FP8_MOE_GLUON=0`` in the environment turns it off, ``FP8_MOE_GLUON=1`` on wherever
+it can run.  The Gluon source is :mod:`.gluon_gemm`, written against Triton 3.6's
+experimental Gluon API: with another Triton (or none of Gluon's Hopper API) the package
+still imports and the Triton kernel runs every GEMM.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+import torch
+import triton
+
+from ..functional import next_power_of_2
+from .launch import KernelCall
+
+try:  # the Gluon source, written against Triton 3.6's experimental API
+    from .gluon_gemm import TensorDescriptor, _ws_gemm_kernel, shared_layouts
+except (ImportError, AttributeError) as exc:  # a Triton whose Gluon differs: the Triton kernel runs every GEMM
+    _ws_gemm_kernel = None
+    logging.getLogger(__name__).info("the Gluon prefill GEMM is unavailable (%s)", exc)
+
+__all__ = ["AVAILABLE", "usable", "tma_ready", "ws_gemm_call"]
+
+# built and checked with Triton 3.6 (docs/gpu_check.md); another release's Gluon may
+# compile it otherwise, so there the Triton kernel runs every GEMM
+AVAILABLE = _ws_gemm_kernel is not None and triton.__version__.startswith("3.6.")
+
+TILE = 128  # BM = BN = BK
+STAGES = 4  # ring slots (6 measured no faster on the H200: docs/benchmarks.md)
+CONSUMER_REGS = 232  # registers per consumer thread (setmaxnreg); the producer gets 40
+
+
+@functools.cache
+def _sm90(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) == (9, 0)
+
+
+def usable(device: torch.device, w: torch.Tensor, w_scale: torch.Tensor, block: tuple[int, int], cfg: dict) -> bool:
+    """Whether :func:`ws_gemm_call` takes a GEMM of stacked weights ``w`` whose A rows
+    are read in place (no gather) and with nothing fused into its launch.  The launch
+    table chooses: K at least its entry's ``ws_min_k`` (set in its prefill entries: the
+    kernel measured faster at every K from 4096 up, slower at 2048 and below),
+    overridden by ``FP8_MOE_GLUON``: ``0`` never, ``1`` wherever it can run.
+    It can run with Triton 3.6 (:data:`AVAILABLE`) on an sm_90 GPU (not the interpreter)
+    with the table's prefill tiles
+    (128 x 128, no split K), one weight scale per tile and K step, K a multiple of 16
+    and ``w`` contiguous and 16-byte aligned (TMA).  A must also pass :func:`tma_ready`."""
+    K = w.shape[2]
+    mode = os.environ.get("FP8_MOE_GLUON")
+    chosen = cfg.get("ws_min_k") is not None and K >= cfg["ws_min_k"]
+    if not AVAILABLE or mode == "0" or not (mode == "1" or chosen):
+        return False
+    if device.type != "cuda" or triton.knobs.runtime.interpret:
+        return False
+    if cfg["BM"] != TILE or cfg["BN"] != TILE or cfg.get("SPLIT", 1) != 1:
+        return False
+    bn, bk = block
+    return ((bn % TILE == 0 or w_scale.shape[1] == 1) and bk % TILE == 0 and K % 16 == 0 and w.is_contiguous()
+            and w.data_ptr() % 16 == 0 and _sm90(device.index if device.index is not None else
+                                                 torch.cuda.current_device()))
+
+
+def tma_ready(q: torch.Tensor) -> bool:
+    """Whether A (rows, K) can be read through a TMA descriptor: unit stride in K, rows
+    and base 16-byte aligned."""
+    return q.stride(1) == 1 and q.stride(0) % 16 == 0 and q.data_ptr() % 16 == 0
+
+
+def ws_gemm_call(q, q_scale, w, ws, ws_strides, block, out, *, offsets, perm, scatter_out: bool, static: bool,
+                 e8m0: bool, num_pid_m: int, group_m: int) -> KernelCall:
+    """The launch of :func:`_ws_gemm_kernel` (``ws``: the scale grid as the kernel reads
+    it, float32 or UE8M0 bytes, with its strides)."""
+    E, N, K = w.shape
+    S = out.shape[0]
+    a_layout, w_layout = shared_layouts()
+    a_desc = TensorDescriptor.from_tensor(q, [TILE, TILE], a_layout)
+    w_desc = TensorDescriptor(w, [E * N, K], [K, 1], [TILE, TILE], w_layout)
+    grid = (num_pid_m * triton.cdiv(N, TILE),)
+    return KernelCall(_ws_gemm_kernel, grid, (
+        a_desc, q_scale, q_scale.stride(0) if not static else 0,
+        w_desc, ws, *ws_strides,
+        out, out.stride(0),
+        perm if perm is not None else out, offsets,
+        S, N, E, triton.cdiv(K, TILE), num_pid_m,
+    ), dict(BN_SCALE=block[0], BK_SCALE=block[1], STATIC=static, SCATTER_OUT=scatter_out, SCALE_E8M0=e8m0,
+            EP=max(2, next_power_of_2(E)), GROUP_M=group_m, STAGES=STAGES, CONSUMER_REGS=CONSUMER_REGS),
+        dict(num_warps=4))

@@ -1,0 +1,153 @@
+"""The Hopper prefill GEMM (``fp8_moe_ops/kernels/ws_gemm.py``, Gluon) on the GPU: its
+output equals the grouped Triton kernel's bitwise (the same products, scales and
+rounding), so every check of that kernel against the CPU reference holds for it too.
+
+Marked ``gpu``; skipped without an sm_90 device.  On the H200:
+``python -m pytest -m gpu tests/test_gpu_ws_gemm.py -q``.  Each test runs an op with
+the kernel (``FP8_MOE_GLUON=1``: wherever it can run; asserted to launch) and with
+``FP8_MOE_GLUON=0`` (the Triton kernel) on the same seeded inputs, with the caching
+allocator's free memory filled with NaN before each call so that an output element
+the kernel forgets to write cannot pass.  Shapes are prefill-sized (the launch table's
+128 x 128 tiles) with prime E, N and K not multiples of 128, empty experts, rows past
+``offsets[-1]``, sentinel ids, static and dynamic activation scales, float32, UE8M0
+and per-tensor weight scales, coarser blocks, and bf16 / fp16 / float32 outputs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fp8_moe_ops import reference
+from fp8_moe_ops.kernels import ws_gemm
+
+from helpers import make_expert_weights, make_experts_inputs, rel_err
+from test_gpu_kernels import EXPERTS_BOUND, GEMM_BOUND, _poison
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                                 reason="needs an sm_90 (Hopper) GPU")]
+
+OPS = torch.ops.fp8_moe
+E8M0 = torch.float8_e8m0fnu
+GEMM_CASES = {  # S, E, N, K, block
+    "prime E, N and K not multiples of 128": (3001, 7, 200, 912, [128, 128]),
+    "one expert": (1500, 1, 384, 1024, [128, 128]),
+    "blocks 256": (2600, 3, 512, 768, [256, 256]),
+    "many tiles": (8192, 8, 2048, 1792, [128, 128]),
+}
+SCALES = {"f32": (torch.float32, False), "e8m0": (E8M0, False), "per-tensor": (torch.float32, True)}
+DTYPES = {"bf16": (torch.bfloat16, None), "fp16": (torch.float16, None), "bf16->fp32": (torch.bfloat16, torch.float32)}
+
+
+@pytest.fixture
+def ws_launches(monkeypatch):
+    """The Gluon kernel's launches in the test, counted; ``off()`` runs the Triton kernel."""
+    monkeypatch.setenv("FP8_MOE_GLUON", "1")
+    count = []
+    real = ws_gemm.ws_gemm_call
+
+    def counted(*a, **kw):
+        count.append(1)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(ws_gemm, "ws_gemm_call", counted)
+
+    class Launches:
+        def __len__(self):
+            return len(count)
+
+        def off(self, fn):
+            with monkeypatch.context() as m:
+                m.setenv("FP8_MOE_GLUON", "0")
+                return fn()
+
+    return Launches()
+
+
+def _both(fn, launches):
+    """(fn() with the Gluon kernel, fn() without), each on NaN-filled free memory."""
+    _poison()
+    before = len(launches)
+    got = fn()
+    assert len(launches) > before, "the Gluon kernel did not run"
+    _poison()
+    return got, launches.off(fn)
+
+
+def _gemm_inputs(case, static, scales, dtype, seed):
+    S, E, N, K, block = GEMM_CASES[case]
+    scale_dtype, per_tensor = SCALES[scales]
+    gen = torch.Generator().manual_seed(seed)
+    w, ws = make_expert_weights(E, N, K, block, scale_dtype, per_tensor, std=0.05, gen=gen)
+    x = torch.randn(S, K, generator=gen).to(dtype)
+    a = torch.rand(E, generator=gen) * 0.01 + 0.002 if static else None
+    return gen, x, w, ws, a, block
+
+
+def _cuda(*ts):
+    return [t.cuda() if isinstance(t, torch.Tensor) else t for t in ts]
+
+
+@pytest.mark.parametrize("dtypes", list(DTYPES))
+@pytest.mark.parametrize("scales", list(SCALES))
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+@pytest.mark.parametrize("case", list(GEMM_CASES))
+def test_grouped_mm_equals_the_triton_kernel_bitwise(case, static, scales, dtypes, ws_launches):
+    dtype, out_dtype = DTYPES[dtypes]
+    gen, x, w, ws, a, block = _gemm_inputs(case, static, scales, dtype, seed=5)
+    S, E = x.shape[0], w.shape[0]
+    # uneven groups, the second expert empty (when there is one), the last tenth of the rows past offsets[-1]
+    cuts = torch.sort(torch.randint(0, S + 1, (E,), generator=gen)).values
+    if E > 1:
+        cuts[1] = cuts[0]
+    cuts[-1] = max(int(cuts[-2]) if E > 1 else 0, S - S // 10)
+    offsets = cuts.to(torch.int32)
+    args = _cuda(x, w, ws, offsets)
+    got, want = _both(lambda: OPS.grouped_mm(*args, block, *_cuda(a), out_dtype), ws_launches)
+    assert torch.equal(got, want)
+    assert not got.isnan().any() and (got[int(offsets[-1]):] == 0).all()
+    if case != "many tiles":  # the CPU reference at the small shapes: the bound of test_gpu_kernels
+        ref = OPS.grouped_mm(x, w, ws, offsets, block, a, out_dtype)
+        assert rel_err(got.cpu(), ref) < GEMM_BOUND[out_dtype or dtype]
+
+
+@pytest.mark.parametrize("scales", list(SCALES))
+@pytest.mark.parametrize("case", list(GEMM_CASES)[:3])
+def test_batched_mm_static_scatters_as_the_triton_kernel(case, scales, ws_launches):
+    # static batched_mm reads A quantised in sorted order and scatters the output rows
+    # (dynamic gathers A per row: the Triton kernel's case)
+    gen, x, w, ws, a, block = _gemm_inputs(case, True, scales, torch.bfloat16, seed=6)
+    E = w.shape[0]
+    ids = torch.randint(-1, E + 1, (x.shape[0],), generator=gen)  # sentinels -1 and E among the rows
+    args = _cuda(x, w, ws, ids, a)
+    got, want = _both(lambda: OPS.batched_mm(*args[:4], block, args[4]), ws_launches)
+    assert torch.equal(got, want)
+    assert (got[((ids < 0) | (ids >= E)).cuda()] == 0).all()
+
+
+EXPERT_CASES = {  # T, E, H, I, top_k, block, routing: T * k > 2048 (the torch sort) and > 384 rows per expert
+    "prime E, H and I not multiples of 128, sentinels": (1201, 7, 912, 400, 3, [128, 128], "sentinel"),
+    "an expert with no tokens": (1100, 5, 1024, 768, 2, [128, 128], "empty"),
+    "all tokens on one expert": (2100, 3, 512, 256, 2, [128, 128], "one"),
+}
+
+
+@pytest.mark.parametrize("scales", list(SCALES))
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+@pytest.mark.parametrize("case", list(EXPERT_CASES))
+def test_experts_equal_the_triton_kernels_bitwise(case, static, scales, ws_launches):
+    T, E, H, I, k, block, routing = EXPERT_CASES[case]
+    scale_dtype, per_tensor = SCALES[scales]
+    args = make_experts_inputs(T, E, H, I, k, block, torch.bfloat16, scale_dtype, static, routing, per_tensor,
+                               seed=T)
+    if routing == "sentinel":  # a token with sentinel slots only: its row must be exactly zero
+        args["top_k_index"][0, :] = E
+    cuda = {name: _cuda(v)[0] for name, v in args.items()}
+    got, want = _both(lambda: OPS.grouped_experts(**cuda), ws_launches)
+    assert torch.equal(got, want)
+    assert not got.isnan().any()
+    if routing == "sentinel":
+        assert (got[0] == 0).all()
+    assert torch.equal(OPS.batched_experts(**cuda), got)
+    assert rel_err(got.cpu(), reference.grouped_experts(**args)) < EXPERTS_BOUND

@@ -1,0 +1,178 @@
+"""The Hopper prefill GEMM (``fp8_moe_ops/kernels/ws_gemm.py``, Gluon) without a GPU:
+which GEMMs it takes, the launch it builds, and that it compiles for sm_90a.  Its
+results (bitwise equal to the grouped Triton kernel's) are checked on the H200 by
+``tests/test_gpu_ws_gemm.py``; the sorted activations it reads, under the interpreter
+by ``tests/test_kernels_interpreter.py``."""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from fp8_moe_ops.kernels import moe, ws_gemm
+from fp8_moe_ops.kernels.config import gemm_config
+from fp8_moe_ops.kernels.grouped_gemm import _grouped_gemm_kernel, max_row_tiles
+
+from test_bench import _compiled_in_fresh_process
+
+CUDA = torch.device("cuda", 0)
+FP8 = torch.float8_e4m3fn
+PREFILL = {"BM": 128, "BN": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 4, "ws_min_k": 512}
+
+
+def _on_fake_hopper(monkeypatch):
+    # what usable() asks of the machine, answered as an H200 would
+    monkeypatch.setattr(triton.knobs.runtime, "interpret", False)
+    monkeypatch.setattr(ws_gemm, "_sm90", lambda index: True)
+    monkeypatch.setattr(ws_gemm, "AVAILABLE", True)
+    monkeypatch.delenv("FP8_MOE_GLUON", raising=False)
+
+
+def _weights(E=3, N=256, K=512, grid=(2, 4)):
+    return torch.zeros(E, N, K, dtype=FP8), torch.ones(E, *grid)
+
+
+def test_usable_takes_the_prefill_tiles_of_stacked_tma_aligned_weights(monkeypatch):
+    _on_fake_hopper(monkeypatch)
+    w, ws = _weights()
+    assert ws_gemm.usable(CUDA, w, ws, (128, 128), PREFILL)
+    assert ws_gemm.usable(CUDA, w, torch.ones(3, 1, 2), (256, 256), PREFILL)  # coarser blocks
+    assert ws_gemm.usable(CUDA, w, torch.ones(3, 1, 4), (64, 128), PREFILL)  # one row of scales per matrix
+    assert not ws_gemm.usable(CUDA, w, torch.ones(3, 1, 1), (64, 64), PREFILL)  # two act scales per K step
+    assert not ws_gemm.usable(torch.device("cpu"), w, ws, (128, 128), PREFILL)
+    assert not ws_gemm.usable(CUDA, w, ws, (128, 128), {**PREFILL, "BM": 64})  # decode / mid buckets
+    assert not ws_gemm.usable(CUDA, w, ws, (128, 128), {**PREFILL, "BN": 64})
+    assert not ws_gemm.usable(CUDA, w, ws, (128, 128), {**PREFILL, "SPLIT": 2})
+    assert not ws_gemm.usable(CUDA, w, torch.ones(3, 4, 4), (64, 128), PREFILL)  # two scales per column tile
+    assert not ws_gemm.usable(CUDA, w, torch.ones(3, 2, 8), (128, 64), PREFILL)  # two scales per K step
+    w_odd, ws_odd = _weights(K=504)  # K rows of 504 bytes: not a TMA stride
+    assert not ws_gemm.usable(CUDA, w_odd, ws_odd, (128, 128), PREFILL)
+    assert not ws_gemm.usable(CUDA, w.transpose(1, 2), ws, (128, 128), PREFILL)
+    monkeypatch.setenv("FP8_MOE_GLUON", "0")
+    assert not ws_gemm.usable(CUDA, w, ws, (128, 128), PREFILL)
+
+
+def test_the_launch_table_chooses_unless_the_environment_says(monkeypatch):
+    _on_fake_hopper(monkeypatch)
+    w, ws = _weights()  # K = 512
+    assert not ws_gemm.usable(CUDA, w, ws, (128, 128), {**PREFILL, "ws_min_k": 1024})
+    triton_entry = {k: v for k, v in PREFILL.items() if k != "ws_min_k"}
+    assert not ws_gemm.usable(CUDA, w, ws, (128, 128), triton_entry)
+    monkeypatch.setenv("FP8_MOE_GLUON", "1")
+    assert ws_gemm.usable(CUDA, w, ws, (128, 128), triton_entry)
+    assert not ws_gemm.usable(CUDA, w, ws, (128, 128), {**triton_entry, "BM": 64})  # still only where it can run
+
+
+def test_the_shipped_table_takes_the_measured_winners(monkeypatch):
+    # on the H200 the kernel won at K = 4096, 7168 and 14336 and lost at 2048 and 768
+    # (bench/ws_gemm_ab.py): the table's prefill entries choose it from K = 4096
+    _on_fake_hopper(monkeypatch)
+    shapes = {  # E, S (prefill), N, K, chosen
+        "deepseek_v3 gate_up": (256, 8192 * 8, 4096, 7168, True), "deepseek_v3 down": (256, 8192 * 8, 7168, 2048, False),
+        "qwen3 gate_up": (128, 16384 * 8, 1536, 2048, False), "qwen3 down": (128, 16384 * 8, 2048, 768, False),
+        "mixtral gate_up": (8, 4096 * 2, 28672, 4096, True), "mixtral down": (8, 4096 * 2, 4096, 14336, True)}
+    for name, (E, S, N, K, chosen) in shapes.items():
+        w = torch.empty(E, N, K, dtype=FP8, device="meta")
+        assert ws_gemm.usable(CUDA, w, torch.ones(E, 1, 1), (128, 128), gemm_config(S, E, N, K)) == chosen, name
+    # and never at decode or mid-size buckets
+    w = torch.empty(8, 28672, 4096, dtype=FP8, device="meta")
+    assert not ws_gemm.usable(CUDA, w, torch.ones(8, 1, 1), (128, 128), gemm_config(8 * 300, 8, 28672, 4096))
+
+
+def test_usable_is_false_without_the_gluon_kernel(monkeypatch):
+    _on_fake_hopper(monkeypatch)
+    monkeypatch.setattr(ws_gemm, "AVAILABLE", False)  # another Triton release
+    monkeypatch.setenv("FP8_MOE_GLUON", "1")
+    w, ws = _weights()
+    assert not ws_gemm.usable(CUDA, w, ws, (128, 128), PREFILL)
+
+
+def test_the_package_imports_and_runs_without_gluon():
+    # a Triton without Gluon's Hopper API: the package imports, the kernel is unavailable,
+    # and the ops run (here the CPU reference)
+    code = """
+import sys
+sys.modules["triton.experimental.gluon.language.nvidia.hopper"] = None  # its import raises ImportError
+import torch, fp8_moe_ops
+from fp8_moe_ops.kernels import launch, ws_gemm
+x = torch.randn(5, 256)
+w, s = fp8_moe_ops.quantize_weight(torch.randn(2, 128, 256), [128, 128])
+out = torch.ops.fp8_moe.grouped_mm(x, w, s, torch.tensor([2, 5], dtype=torch.int32), [128, 128])
+print({"available": ws_gemm.AVAILABLE, "shape": tuple(out.shape), "finite": bool(out.isfinite().all())})
+"""
+    res = _compiled_in_fresh_process(code)
+    assert res == {"available": False, "shape": (5, 128), "finite": True}
+
+
+def test_usable_is_false_under_the_interpreter(monkeypatch):
+    monkeypatch.setattr(triton.knobs.runtime, "interpret", True)
+    monkeypatch.setattr(ws_gemm, "_sm90", lambda index: True)
+    w, ws = _weights()
+    assert not ws_gemm.usable(CUDA, w, ws, (128, 128), PREFILL)
+
+
+def test_tma_ready_needs_unit_k_stride_and_16_byte_rows():
+    q = torch.zeros(64, 48, dtype=FP8)
+    assert ws_gemm.tma_ready(q)
+    assert not ws_gemm.tma_ready(torch.zeros(64, 40, dtype=FP8))  # 40-byte rows
+    assert not ws_gemm.tma_ready(q[:, 8:].t())
+    assert not ws_gemm.tma_ready(q.view(-1)[8:8 + 63 * 48].view(63, 48))  # base 8 bytes off
+
+
+def _gemm_call(monkeypatch, S=4096, E=4, N=256, K=512, **kw):
+    """``moe._gemm_call`` of a prefill-sized grouped GEMM on CPU tensors, with usable()
+    seeing an H200 and told to take every GEMM it can run."""
+    _on_fake_hopper(monkeypatch)
+    monkeypatch.setenv("FP8_MOE_GLUON", "1")
+    real = ws_gemm.usable
+    monkeypatch.setattr(ws_gemm, "usable", lambda device, *a: real(CUDA, *a))
+    w, ws = _weights(E, N, K)
+    q, qs = torch.zeros(S, K, dtype=FP8), torch.ones(S, K // 128)
+    offsets = torch.arange(1, E + 1, dtype=torch.int32) * (S // E)
+    out = torch.empty(S, N, dtype=torch.bfloat16)
+    return moe._gemm_call(q, qs, w, ws, (128, 128), out, offsets=offsets, **kw)
+
+
+def test_prefill_grouped_gemm_launches_the_ws_kernel(monkeypatch):
+    call = _gemm_call(monkeypatch, perm=torch.arange(4096), scatter_out=True)
+    assert call.kernel is ws_gemm._ws_gemm_kernel
+    assert call.grid == (max_row_tiles(4096, 4, 128, True) * 2,)
+    assert call.constexprs["SCATTER_OUT"] and not call.constexprs["STATIC"]
+    a_desc, w_desc = call.args[0], call.args[3]
+    assert list(a_desc.shape) == [4096, 512] and list(w_desc.shape) == [4 * 256, 512]  # (E * N, K) view
+    assert a_desc.block_shape == w_desc.block_shape == [128, 128]
+
+
+def test_gathered_or_fused_or_small_gemms_keep_the_triton_kernel(monkeypatch):
+    perm = torch.arange(4096)
+    assert _gemm_call(monkeypatch, perm=perm, gather_a=True).kernel is _grouped_gemm_kernel
+    assert _gemm_call(monkeypatch, S=256).kernel is _grouped_gemm_kernel  # 64 rows per expert: BM 64
+    assert _gemm_call(monkeypatch, K=520).kernel is _grouped_gemm_kernel  # 520-byte rows
+
+
+def test_ws_kernel_compiles_for_sm90_without_a_gpu():
+    # every scheme / scale / output form of the kernel, compiled for sm_90a as
+    # bench/kernel_resources.py compiles the forward's launches
+    code = """
+import sys; sys.path.insert(0, sys.argv[1])
+import torch, kernel_resources as kr
+from fp8_moe_ops.kernels import ws_gemm
+res = []
+for static, e8m0, scatter in [(False, False, True), (True, False, True), (False, True, False)]:
+    E, N, K, S = 4, 256, 512, 4096
+    w = torch.zeros(E, N, K, dtype=torch.float8_e4m3fn)
+    ws = torch.ones(E, 2, 4, dtype=torch.uint8 if e8m0 else torch.float32)
+    q = torch.zeros(S, K, dtype=torch.float8_e4m3fn)
+    qs = torch.ones(E) if static else torch.ones(S, 4)
+    call = ws_gemm.ws_gemm_call(q, qs, w, ws, ws.stride(), (128, 128), torch.empty(S, N, dtype=torch.bfloat16),
+                                offsets=torch.ones(E, dtype=torch.int64), perm=torch.arange(S), scatter_out=scatter,
+                                static=static, e8m0=e8m0, num_pid_m=40, group_m=8)
+    res.append(kr.resources(call))
+print(res)
+"""
+    res = _compiled_in_fresh_process(code)
+    assert len(res) == 3
+    for r in res:
+        assert r["kernel"] == "_ws_gemm_kernel" and r["warps"] == 4
+        assert 0 < r["registers"] <= 255 and r["spill_bytes"] == 0
+        assert r["shared_bytes"] >= ws_gemm.STAGES * 2 * 128 * 128  # the ring of A and weight tiles
