@@ -261,9 +261,9 @@ def host_us_per_call(fn: Callable[[], Any], calls: int = 100, warmup: int = 20,
     return statistics.median(cpu), statistics.median(wall)
 
 
-def kernels_per_call(fn: Callable[[], Any], calls: int = 10) -> tuple[float, list[str]]:
-    """(GPU kernels, memsets and copies launched per call, their names in one call's
-    order), counted from ``torch.profiler``'s CUDA events."""
+def cuda_events(fn: Callable[[], Any], calls: int = 10) -> list:
+    """``torch.profiler``'s CUDA events (kernels, memsets, copies) of ``calls`` calls of
+    ``fn`` after one unprofiled call, in the order they started."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -272,8 +272,14 @@ def kernels_per_call(fn: Callable[[], Any], calls: int = 10) -> tuple[float, lis
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
-    events = sorted((ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA),
-                    key=lambda ev: ev.time_range.start)
+    return sorted((ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA),
+                  key=lambda ev: ev.time_range.start)
+
+
+def kernels_per_call(fn: Callable[[], Any], calls: int = 10) -> tuple[float, list[str]]:
+    """(GPU kernels, memsets and copies launched per call, their names in one call's
+    order), counted from ``torch.profiler``'s CUDA events."""
+    events = cuda_events(fn, calls)
     per_call = len(events) / calls
     return per_call, [ev.name for ev in events[: int(per_call)]]
 

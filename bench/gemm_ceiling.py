@@ -33,8 +33,8 @@ import torch
 import torch.nn.functional as F
 
 import fp8_moe_ops  # noqa: F401  (registers torch.ops.fp8_moe)
-from common import (BLOCK, MODELS, ExperimentConfig, Runner, log, make_weights, markdown_table, parse_sweep,
-                    time_ms)
+from common import (BLOCK, MODELS, ExperimentConfig, Runner, cuda_events, log, make_weights, markdown_table,
+                    parse_sweep, time_ms)
 
 CASES = {"deepseek_v3": [8192, 16384], "qwen3_30b_a3b": [4096, 16384]}
 FP8 = torch.float8_e4m3fn
@@ -108,16 +108,7 @@ def dense_tensorwise(a, b_nk, flops) -> dict:
 
 def gemm_kernel_ms(fn, calls: int = 10) -> float:
     """Median device time per call of the kernels whose name holds ``gemm``."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    times = [ev.device_time_total for ev in prof.events()
-             if ev.device_type == torch.autograd.DeviceType.CUDA and "gemm" in ev.name.lower()]
+    times = [ev.device_time_total for ev in cuda_events(fn, calls) if "gemm" in ev.name.lower()]
     if len(times) < calls:
         raise RuntimeError(f"expected a gemm kernel per call in the profile, found {len(times)} in {calls} calls")
     per_call = len(times) // calls

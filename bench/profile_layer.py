@@ -18,25 +18,17 @@ import statistics
 import sys
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 import fp8_moe_ops  # noqa: F401  (registers torch.ops.fp8_moe)
-from common import (BLOCK, ExperimentConfig, Runner, each_scheme_case, graph_ms, parse_sweep, results_table,
-                    table_override)
+from common import (BLOCK, ExperimentConfig, Runner, cuda_events, each_scheme_case, graph_ms, parse_sweep,
+                    results_table, table_override)
 
 CASES = {"deepseek_v3": [1, 8, 16384], "qwen3_30b_a3b": [1, 8, 64, 16384], "mixtral_8x7b": [1, 8, 16384]}
 CALLS = 20
 
 
 def kernel_times(fn) -> dict:
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(CALLS):
-            fn()
-        torch.cuda.synchronize()
-    evs = sorted((ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA),
-                 key=lambda ev: ev.time_range.start)
+    evs = cuda_events(fn, CALLS)
     per_call = len(evs) // CALLS
     # the i-th kernel of every call (the two GEMMs share a name, not a position)
     kernels = [(evs[i].name, statistics.median(evs[c * per_call + i].device_time_total for c in range(CALLS)))

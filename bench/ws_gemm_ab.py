@@ -1,0 +1,127 @@
+"""Prefill layers with and without the Hopper GEMM kernel (``fp8_moe_ops/kernels/ws_gemm.py``).
+
+    PYTHONPATH=. python bench/ws_gemm_ab.py --out-dir OUT [--cases "deepseek_v3:4096,8192;..."]
+        [--ways triton,ws,ws_down,ws_col]
+
+For every case (model, T, dynamic / static activation scales, uniform routing) one
+process times ``torch.ops.fp8_moe.grouped_experts`` several ways, on the same inputs:
+
+* ``triton``: ``FP8_MOE_GLUON=0``, the grouped Triton kernel for both GEMMs (the
+  layer as it ran before the Gluon kernel);
+* ``ws``: the Gluon kernel for every GEMM ``ws_gemm.usable`` takes (the gate_up
+  GEMM's A then quantised per sorted row), whatever the launch table says;
+* ``ws_down_only``: the Gluon kernel for the down GEMM only (the gate_up GEMM gathers);
+* ``ws_col``: as ``ws`` with the Gluon kernel's ``GROUP_M`` = 1 (each row tile's
+  column tiles in a row) instead of the table's 8;
+* ``shipped``: the launch table's choice (``"ws"`` in its entries).
+
+Per way, measured twice (the ways in order, then in reverse: a drift of the clocks
+over the case falls on every way alike) and averaged: the layer's median time (CUDA
+events, back-to-back calls), and from the profiler the device time of the gate_up
+GEMM, the down GEMM (the kernels whose name holds ``gemm``, in launch order) and the
+quantisation kernels (``quant``: the activations' and the gated activation's).  Every
+way's output must equal the first way's bitwise.  Writes
+``OUT/ws_gemm_ab.json`` / ``.md``; exits 1 if a case failed or differed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import os
+import statistics
+import sys
+
+import torch
+
+import fp8_moe_ops  # noqa: F401  (registers torch.ops.fp8_moe)
+from common import (BLOCK, MODELS, ExperimentConfig, Runner, cuda_events, each_scheme_case, layer_flops, log,
+                    markdown_table, parse_sweep, time_ms)
+from fp8_moe_ops.kernels import experts, ws_gemm
+
+CASES = {"deepseek_v3": [4096, 8192, 16384], "qwen3_30b_a3b": [4096, 8192, 16384],
+         "mixtral_8x7b": [2048, 4096, 16384]}
+WAYS = ("triton", "ws", "ws_down_only", "ws_col", "shipped")
+
+
+@contextlib.contextmanager
+def _way(way: str):
+    """The environment switch, the gate_up GEMM's A and the Gluon kernel's GROUP_M of one way."""
+    real_call, real_sorted = ws_gemm.ws_gemm_call, experts._sorted_a
+    if way != "shipped":
+        os.environ["FP8_MOE_GLUON"] = "0" if way == "triton" else "1"
+    if way == "ws_col":
+        ws_gemm.ws_gemm_call = lambda *a, **kw: real_call(*a, **{**kw, "group_m": 1})
+    if way == "ws_down_only":
+        experts._sorted_a = lambda *a: False
+    try:
+        yield
+    finally:
+        os.environ.pop("FP8_MOE_GLUON", None)
+        ws_gemm.ws_gemm_call, experts._sorted_a = real_call, real_sorted
+
+
+def kernel_ms(fn, calls: int = 10) -> dict:
+    """Median device ms per call of the gate_up GEMM, the down GEMM (the first and second
+    kernel whose name holds ``gemm``) and the quantisation kernels (``quant``)."""
+    events = cuda_events(fn, calls)
+    gemms = [ev.device_time_total for ev in events if "gemm" in ev.name.lower()]
+    quants = [ev.device_time_total for ev in events if "quant" in ev.name.lower()]
+    if len(gemms) != 2 * calls or len(quants) % calls:
+        raise RuntimeError(f"expected two GEMM kernels per call, found {len(gemms)} in {calls} calls")
+    per = len(quants) // calls
+    return {"gate_up_ms": statistics.median(gemms[0::2]) / 1e3, "down_ms": statistics.median(gemms[1::2]) / 1e3,
+            "quant_ms": statistics.median(sum(quants[c * per:(c + 1) * per]) for c in range(calls)) / 1e3}
+
+
+def measure(weights, inputs, scales, flops: int, ways) -> dict:
+    x, idx, wts = inputs
+    fn = functools.partial(torch.ops.fp8_moe.grouped_experts, x, idx, wts, weights.gate_up, weights.gate_up_scale,
+                           weights.down, weights.down_scale, BLOCK, "silu", *scales)
+    samples, outs = {way: [] for way in ways}, {}
+    for way in [*ways, *reversed(ways)]:  # each way twice, in mirrored order: drifts in clock cancel
+        with _way(way):
+            outs.setdefault(way, fn())
+            samples[way].append({"ms": time_ms(fn), **kernel_ms(fn)})
+    res = {}
+    for way, runs in samples.items():
+        res.update({f"{way}_{key}": statistics.mean(r[key] for r in runs) for key in runs[0]})
+        res[f"{way}_gemm_tflops"] = flops / (res[f"{way}_gate_up_ms"] + res[f"{way}_down_ms"]) / 1e9
+    differ = [way for way in ways if not torch.equal(outs[way], outs[ways[0]])]
+    if differ:
+        raise AssertionError(f"outputs of {differ} differ from {ways[0]}'s")
+    for way in ways[1:]:
+        res[f"{way}_speedup"] = res[f"{ways[0]}_ms"] / res[f"{way}_ms"]
+    return res
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out-dir", required=True)
+    p.add_argument("--cases", default=None, help="model:T,T;... (default: CASES)")
+    p.add_argument("--ways", default=",".join(WAYS), help="the first is the one the others are compared with")
+    args = p.parse_args()
+    ways = args.ways.split(",")
+    runner = Runner("ws_gemm_ab", args.out_dir)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def run(name, T, weights, inputs, scheme, scales):
+        flops = layer_flops(MODELS[name], T)
+        runner.run(ExperimentConfig("ws_gemm_ab", name, T, scheme),
+                   lambda: measure(weights, inputs, scales, flops, ways))
+
+    each_scheme_case(parse_sweep(args.cases) if args.cases else CASES, gen, run)
+    cols = [("model", "model", ""), ("T", "tokens", ""), ("scheme", "variant", "")]
+    cols += [(f"{w} ms", f"{w}_ms", ".3f") for w in ways]
+    cols += [(f"{w} {part}", f"{w}_{part}_ms", ".3f") for w in ways for part in ("gate_up", "down", "quant")]
+    cols += [(f"{w} speedup", f"{w}_speedup", ".3f") for w in ways[1:]]
+    cols += [("error", "error", "")]
+    text = markdown_table([r.flat() for r in runner.results], cols)
+    runner.save(text)
+    log(text)
+    return runner.exit_code()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
