@@ -168,8 +168,6 @@ def ws_gemm_kernel(a_desc, w_desc, as_ptr, ws_ptr, out_ptr, tile_e_ptr, tile_r0_
     of the tile and wait for their own MMAs, then release the slot (``empty``, two
     arrivals) and rescale, so one rescales while the other's MMAs run; they meet only at
     the ring's mbarriers."""
-    BM: gl.constexpr = a_desc.block_type.shape[0]
-    BK: gl.constexpr = a_desc.block_type.shape[1]
     BN: gl.constexpr = w_desc.block_type.shape[0]
     n0, e, row0, row1, wrow = _tile(tile_e_ptr, tile_r0_ptr, tile_r1_ptr, N, BN)
     a_smem, w_smem, ready, empty = ring(a_desc, w_desc, STAGES)

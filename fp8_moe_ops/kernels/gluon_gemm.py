@@ -141,7 +141,6 @@ def _ws_gemm_kernel(
     CONSUMER_REGS: gl.constexpr,
 ):
     BM: gl.constexpr = a_desc.block_type.shape[0]
-    BK: gl.constexpr = a_desc.block_type.shape[1]
     BN: gl.constexpr = w_desc.block_type.shape[0]
     pid_n, e, row0, row1, tail = _tile_of(gl.program_id(0), offsets_ptr, S, E, num_pid_m, gl.cdiv(N, BN), BM, EP,
                                           GROUP_M)
