@@ -82,7 +82,8 @@ def measure(weights, inputs, scales, flops: int, ways) -> dict:
     samples, outs = {way: [] for way in ways}, {}
     for way in [*ways, *reversed(ways)]:  # each way twice, in mirrored order: drifts in clock cancel
         with _way(way):
-            outs.setdefault(way, fn())
+            if way not in outs:
+                outs[way] = fn()
             samples[way].append({"ms": time_ms(fn), **kernel_ms(fn)})
     res = {}
     for way, runs in samples.items():

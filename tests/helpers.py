@@ -1,6 +1,12 @@
-"""Builders of random fp8 MoE inputs shared by the tests (no assertions here)."""
+"""Builders of random fp8 MoE inputs, and the few other helpers the tests share."""
 
 from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 
@@ -20,6 +26,24 @@ MODELS = {
 REL_BOUND = {torch.bfloat16: 1.6e-2, torch.float16: 2e-3, torch.float32: 1e-5}
 
 
+# Relative Frobenius error bounds vs the CPU reference: GEMMs differ by summation order
+# before the output rounding, and Hopper's fp8 MMA adds the products of one K step with
+# less than float32 precision (the kernels promote to float32 every K step, as
+# DeepSeek-V3 does): 1.3e-4 measured at K = 2048 for a float32 output, far under any
+# bf16/fp16 rounding.  Whole experts can also move one re-quantised activation element
+# by one e4m3 step.  An indexing or scaling bug is off by order 1.
+GEMM_BOUND = {torch.bfloat16: 2e-3, torch.float16: 5e-4, torch.float32: 5e-4}
+EXPERTS_BOUND = 1e-2
+
+
+def poison_free_memory() -> None:
+    """Fill the CUDA caching allocator's free memory with NaN: an output element the
+    kernels forget to write reads back as NaN."""
+    keep = [torch.full((numel,), float("nan"), device="cuda")
+            for numel in (1 << 28, *[1 << s for s in range(8, 19) for _ in range(4)])]
+    del keep
+
+
 # The dispatches (eager loop, grouped, batched) agree to float32 rounding, not always
 # bitwise: on CPU, vectorised erf/exp make the last bit of an element depend on its
 # position in the tensor (SIMD body vs scalar tail), and the loop's per-expert tensors
@@ -33,6 +57,19 @@ def assert_agree(a: torch.Tensor, b: torch.Tensor) -> None:
     assert a.shape == b.shape and a.dtype == b.dtype
     assert torch.equal(torch.isnan(a), torch.isnan(b))
     assert rel_err(a, b) <= AGREE_BOUND[a.dtype], rel_err(a, b)
+
+
+def printed_by_fresh_process(code: str):
+    """The literal printed last by ``code``, run with bench/ as ``sys.argv[1]`` in a
+    fresh process without the interpreter (which replaces the compiled kernels, so
+    offline compiles for the GPU need a process without it)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    bench = Path(__file__).resolve().parents[1] / "bench"
+    proc = subprocess.run([sys.executable, "-c", code, str(bench)], capture_output=True, text=True, timeout=300,
+                          env=env)
+    if proc.returncode != 0:
+        raise AssertionError(proc.stderr[-3000:])
+    return ast.literal_eval(proc.stdout.strip().splitlines()[-1])
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

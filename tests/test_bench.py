@@ -4,10 +4,8 @@ run on a CUDA machine only; kernel_resources compiles for one, here, without it.
 
 from __future__ import annotations
 
-import ast
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +14,8 @@ import pytest
 import torch
 
 from fp8_moe_ops import reference
+
+from helpers import printed_by_fresh_process
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 SCRIPTS = sorted(p.stem for p in BENCH.glob("*.py") if p.stem != "common")
@@ -285,22 +285,12 @@ def test_bench_and_tests_name_the_same_benchmark_layers(monkeypatch):
     assert {m.name: (m.E, m.H, m.I, m.top_k) for m in bench.MODELS.values()} == MODELS
 
 
-def _compiled_in_fresh_process(code: str):
-    """The literal printed last by ``code``, run with bench/ as ``sys.argv[1]`` in a
-    fresh process without the interpreter (which replaces the compiled kernels)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", code, str(BENCH)], capture_output=True, text=True, timeout=300,
-                          env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return ast.literal_eval(proc.stdout.strip().splitlines()[-1])
-
-
 def test_kernel_resources_compiles_a_launch_for_sm90_without_a_gpu():
     # the combine launch of a small forward (80 slots: its own kernel), compiled for sm_90a
     code = ("import sys; sys.path.insert(0, sys.argv[1]); import kernel_resources as kr; "
             "from fp8_moe_ops.kernels.experts import shape_calls; "
             "print(kr.resources(shape_calls(20, 4, 8, 64, 32, (16, 16))[-1]))")
-    res = _compiled_in_fresh_process(code)
+    res = printed_by_fresh_process(code)
     assert res["kernel"] == "_combine_kernel" and res["warps"] == 4
     assert 0 < res["registers"] <= 255 and res["spill_bytes"] == 0 and res["shared_bytes"] >= 0
 
@@ -310,7 +300,7 @@ def test_overlap_probe_compiles_every_form_for_sm90_without_a_gpu():
     # no form may be serialised by ptxas
     code = ("import sys; sys.path.insert(0, sys.argv[1]); import overlap_probe as op; "
             "print({form: op.offline(form) for form in op.FORMS})")
-    res = _compiled_in_fresh_process(code)
+    res = printed_by_fresh_process(code)
     assert set(res) == {"lag0", "lag1", "ws", "ws6"}
     assert res["lag0"]["ffma_overlapped"] is None  # lag0 has no wait that leaves a group in flight
     assert res["lag1"]["ffma_overlapped"] > 0

@@ -34,33 +34,18 @@ from fp8_moe_ops import kernels
 from fp8_moe_ops.kernels import experts, moe
 from fp8_moe_ops.kernels.experts import ARG_NAMES, ExpertsPlan
 
-from helpers import MODELS, make_expert_weights, make_experts_inputs, make_routing, rel_err, with_split_k
+from helpers import (EXPERTS_BOUND, GEMM_BOUND, MODELS, make_expert_weights, make_experts_inputs, make_routing,
+                     poison_free_memory, rel_err, with_split_k)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 OPS = torch.ops.fp8_moe
 E8M0 = torch.float8_e8m0fnu
 FP8 = torch.float8_e4m3fn
-# Relative Frobenius error bounds vs the CPU reference: GEMMs differ by summation order
-# before the output rounding, and Hopper's fp8 MMA adds the products of one K step with
-# less than float32 precision (the kernels promote to float32 every K step, as
-# DeepSeek-V3 does): 1.3e-4 measured at K = 2048 for a float32 output, far under any
-# bf16/fp16 rounding.  Whole experts can also move one re-quantised activation element
-# by one e4m3 step.  An indexing or scaling bug is off by order 1.
-GEMM_BOUND = {torch.bfloat16: 2e-3, torch.float16: 5e-4, torch.float32: 5e-4}
-EXPERTS_BOUND = 1e-2
 
 
 def _cuda(t):
     return t.cuda() if isinstance(t, torch.Tensor) else t
-
-
-def _poison() -> None:
-    """Fill the caching allocator's free memory with NaN: an output element the kernels
-    forget to write reads back as NaN."""
-    keep = [torch.full((numel,), float("nan"), device="cuda")
-            for numel in (1 << 28, *[1 << s for s in range(8, 19) for _ in range(4)])]
-    del keep
 
 
 def _assert_written(out: torch.Tensor, ref: torch.Tensor) -> None:
@@ -101,7 +86,7 @@ def test_dynamic_quantisation_bitwise(dtype, T, K, group):
     # magnitudes over seven decades across K; one all-zero group (scale of a zero group)
     x = (torch.randn(T, K, generator=gen) * torch.logspace(-4, 3, K)).to(dtype)
     x[0, :group] = 0
-    _poison()
+    poison_free_memory()
     q, s = moe._quantize(x.cuda(), group, T)
     rq, rs = reference.quantize_act_dynamic(x, group)
     assert torch.equal(q.cpu().view(torch.uint8), rq.view(torch.uint8))
@@ -184,7 +169,7 @@ def test_linear_matches_cpu(case, static, scale_dtype, dtypes):
     dtype, out_dtype = DTYPES[dtypes]
     _, x, w, ws, a, block = _gemm_inputs(case, static, scale_dtype, dtype, seed=1)
     a0 = None if a is None else a[:1]
-    _poison()
+    poison_free_memory()
     out = OPS.linear(x.cuda(), w[0].cuda(), ws[0].cuda(), block, _cuda(a0), out_dtype)
     ref = OPS.linear(x, w[0], ws[0], block, a0, out_dtype)
     _assert_written(out, ref)
@@ -201,7 +186,7 @@ def test_grouped_mm_matches_cpu(case, static, scale_dtype, dtypes):
     cuts[1] = cuts[0]
     cuts[-1] = max(int(cuts[-2]), S - S // 5)
     offsets = cuts.to(torch.int32)
-    _poison()
+    poison_free_memory()
     out = OPS.grouped_mm(x.cuda(), w.cuda(), ws.cuda(), offsets.cuda(), block, _cuda(a), out_dtype)
     ref = OPS.grouped_mm(x, w, ws, offsets, block, a, out_dtype)
     _assert_written(out, ref)
@@ -215,7 +200,7 @@ def test_batched_mm_matches_cpu(case, static, scale_dtype, dtypes):
     gen, x, w, ws, a, block = _gemm_inputs(case, static, scale_dtype, dtype, seed=3)
     E = w.shape[0]
     ids = torch.randint(-1, E + 1, (x.shape[0],), generator=gen)  # sentinels -1 and E among the rows
-    _poison()
+    poison_free_memory()
     out = OPS.batched_mm(x.cuda(), w.cuda(), ws.cuda(), ids.cuda(), block, _cuda(a), out_dtype)
     ref = OPS.batched_mm(x, w, ws, ids, block, a, out_dtype)
     _assert_written(out, ref)
@@ -260,7 +245,7 @@ def test_experts_match_cpu(case, combo):
         args["top_k_index"][0, :] = E
     args.update(activation=activation, swiglu_limit=limit)
     cargs = {key: _cuda(v) for key, v in args.items()}
-    _poison()
+    poison_free_memory()
     out = OPS.grouped_experts(**cargs)
     ref = OPS.grouped_experts(**args)
     _assert_written(out, ref)
@@ -268,7 +253,7 @@ def test_experts_match_cpu(case, combo):
     no_expert = ((idx < 0) | (idx >= E)).all(dim=1)
     assert (out.cpu()[no_expert] == 0).all()
     assert rel_err(out.cpu(), ref) < EXPERTS_BOUND
-    _poison()
+    poison_free_memory()
     assert torch.equal(OPS.batched_experts(**cargs), out)
     assert torch.equal(OPS.grouped_experts(**cargs), out)  # run to run
 
@@ -355,7 +340,7 @@ def test_shipped_configs_agree_with_the_checked_small_config(layer_weights, T, m
     x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, generator=gen)
     idx = torch.topk(torch.rand(T, E, device="cuda", generator=gen), k, dim=1).indices
     wts = torch.rand(T, k, device="cuda", generator=gen)
-    _poison()
+    poison_free_memory()
     out = OPS.grouped_experts(x, idx, wts, gu, gus, dp, dps, [128, 128])
     monkeypatch.setattr(moe, "gemm_config", lambda *a: dict(SMALL_CONFIG))
     # the forward itself, not the op: a second op call would replay the first one's launch plan
@@ -407,7 +392,7 @@ def test_launch_plan_replays_new_inputs_bitwise(case, combo):
     assert torch.equal(out, kernels.grouped_experts(**first))
     OPS.grouped_experts(**first)  # checks the signature
     OPS.grouped_experts(**first)  # records the op's plan for it
-    _poison()
+    poison_free_memory()
     got = OPS.grouped_experts(**second)
     want = kernels.grouped_experts(**second)
     assert not torch.equal(want, out)

@@ -21,8 +21,7 @@ import torch
 from fp8_moe_ops import reference
 from fp8_moe_ops.kernels import ws_gemm
 
-from helpers import make_expert_weights, make_experts_inputs, rel_err
-from test_gpu_kernels import EXPERTS_BOUND, GEMM_BOUND, _poison
+from helpers import EXPERTS_BOUND, GEMM_BOUND, make_expert_weights, make_experts_inputs, poison_free_memory, rel_err
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
@@ -67,11 +66,11 @@ def ws_launches(monkeypatch):
 
 def _both(fn, launches):
     """(fn() with the Gluon kernel, fn() without), each on NaN-filled free memory."""
-    _poison()
+    poison_free_memory()
     before = len(launches)
     got = fn()
     assert len(launches) > before, "the Gluon kernel did not run"
-    _poison()
+    poison_free_memory()
     return got, launches.off(fn)
 
 

@@ -13,7 +13,7 @@ from fp8_moe_ops.kernels import moe, ws_gemm
 from fp8_moe_ops.kernels.config import gemm_config
 from fp8_moe_ops.kernels.grouped_gemm import _grouped_gemm_kernel, max_row_tiles
 
-from test_bench import _compiled_in_fresh_process
+from helpers import printed_by_fresh_process
 
 CUDA = torch.device("cuda", 0)
 FP8 = torch.float8_e4m3fn
@@ -100,7 +100,7 @@ w, s = fp8_moe_ops.quantize_weight(torch.randn(2, 128, 256), [128, 128])
 out = torch.ops.fp8_moe.grouped_mm(x, w, s, torch.tensor([2, 5], dtype=torch.int32), [128, 128])
 print({"available": ws_gemm.AVAILABLE, "shape": tuple(out.shape), "finite": bool(out.isfinite().all())})
 """
-    res = _compiled_in_fresh_process(code)
+    res = printed_by_fresh_process(code)
     assert res == {"available": False, "shape": (5, 128), "finite": True}
 
 
@@ -170,7 +170,7 @@ for static, e8m0, scatter in [(False, False, True), (True, False, True), (False,
     res.append(kr.resources(call))
 print(res)
 """
-    res = _compiled_in_fresh_process(code)
+    res = printed_by_fresh_process(code)
     assert len(res) == 3
     for r in res:
         assert r["kernel"] == "_ws_gemm_kernel" and r["warps"] == 4

@@ -10,7 +10,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-__all__ = ["TensorDescriptor", "_ws_gemm_kernel", "ring", "shared_layouts"]
+__all__ = ["TensorDescriptor", "_ws_gemm_kernel", "ring", "shared_layout"]
 
 
 @gluon.jit
@@ -161,7 +161,6 @@ def _ws_gemm_kernel(
         mbarrier.invalidate(empty.index(j))
 
 
-def shared_layouts():
-    """The NVMMA shared layouts of the A and weight tiles (what the descriptors carry)."""
-    layout = gl.NVMMASharedLayout.get_default_for([128, 128], gl.float8e4nv)
-    return layout, layout
+def shared_layout(block_shape: list[int]):
+    """The NVMMA shared layout of an e4m3 tile of ``block_shape`` (what a descriptor carries)."""
+    return gl.NVMMASharedLayout.get_default_for(block_shape, gl.float8e4nv)

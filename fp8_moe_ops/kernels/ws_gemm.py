@@ -44,7 +44,7 @@ from ..functional import next_power_of_2
 from .launch import KernelCall
 
 try:  # the Gluon source, written against Triton 3.6's experimental API
-    from .gluon_gemm import TensorDescriptor, _ws_gemm_kernel, shared_layouts
+    from .gluon_gemm import TensorDescriptor, _ws_gemm_kernel, shared_layout
 except (ImportError, AttributeError) as exc:  # a Triton whose Gluon differs: the Triton kernel runs every GEMM
     _ws_gemm_kernel = None
     logging.getLogger(__name__).info("the Gluon prefill GEMM is unavailable (%s)", exc)
@@ -102,9 +102,9 @@ def ws_gemm_call(q, q_scale, w, ws, ws_strides, block, out, *, offsets, perm, sc
     it, float32 or UE8M0 bytes, with its strides)."""
     E, N, K = w.shape
     S = out.shape[0]
-    a_layout, w_layout = shared_layouts()
-    a_desc = TensorDescriptor.from_tensor(q, [TILE, TILE], a_layout)
-    w_desc = TensorDescriptor(w, [E * N, K], [K, 1], [TILE, TILE], w_layout)
+    tile = [TILE, TILE]  # A and weight tiles alike
+    a_desc = TensorDescriptor.from_tensor(q, tile, shared_layout(tile))
+    w_desc = TensorDescriptor(w, [E * N, K], [K, 1], tile, shared_layout(tile))
     grid = (num_pid_m * triton.cdiv(N, TILE),)
     return KernelCall(_ws_gemm_kernel, grid, (
         a_desc, q_scale, q_scale.stride(0) if not static else 0,
