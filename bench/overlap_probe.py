@@ -51,7 +51,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 from common import MODELS, ExperimentConfig, Runner, log, make_weights, markdown_table
-from fp8_moe_ops.kernels.gluon_gemm import _producer, ring  # the shipped kernel's ring and producer warp
+from fp8_moe_ops.kernels.gluon_gemm import load_tile, ring  # the shipped kernel's ring and its TMA loads
 
 CASES = [("deepseek_v3", 8192, "down"), ("deepseek_v3", 8192, "gate_up"), ("qwen3_30b_a3b", 16384, "down"),
          ("qwen3_30b_a3b", 16384, "gate_up"), ("mixtral_8x7b", 16384, "down"), ("mixtral_8x7b", 16384, "gate_up")]
@@ -161,6 +161,12 @@ def _ws_consumer(a_smem, w_smem, ready, empty, as_ptr, ws_ptr, out_ptr, row0, ro
 
 
 @gluon.jit
+def _ws_producer(a_desc, w_desc, a_smem, w_smem, ready, empty, row0, wrow, KT, STAGES: gl.constexpr):
+    """The producer warp of one tile: its K steps' TMA loads into the ring."""
+    load_tile(a_desc, w_desc, a_smem, w_smem, ready, empty, row0, wrow, KT, gl.to_tensor(0), STAGES)
+
+
+@gluon.jit
 def ws_gemm_kernel(a_desc, w_desc, as_ptr, ws_ptr, out_ptr, tile_e_ptr, tile_r0_ptr, tile_r1_ptr, N, KT, NB,
                    STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """The same GEMM warp-specialised: a producer warp issues the TMA loads into the ring,
@@ -174,7 +180,7 @@ def ws_gemm_kernel(a_desc, w_desc, as_ptr, ws_ptr, out_ptr, tile_e_ptr, tile_r0_
     gl.warp_specialize([
         (_ws_consumer, (a_smem, w_smem, ready, empty, as_ptr, ws_ptr, out_ptr, row0, row1, e, n0, N, KT, NB, 0, STAGES)),
         (_ws_consumer, (a_smem, w_smem, ready, empty, as_ptr, ws_ptr, out_ptr, row0, row1, e, n0, N, KT, NB, 1, STAGES)),
-        (_producer, (a_desc, w_desc, a_smem, w_smem, ready, empty, row0, wrow, KT, STAGES)),
+        (_ws_producer, (a_desc, w_desc, a_smem, w_smem, ready, empty, row0, wrow, KT, STAGES)),
     ], [4, 1], [CONSUMER_REGS, 40])
     for j in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(j))

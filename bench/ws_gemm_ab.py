@@ -1,7 +1,7 @@
 """Prefill layers with and without the Hopper GEMM kernel (``fp8_moe_ops/kernels/ws_gemm.py``).
 
     PYTHONPATH=. python bench/ws_gemm_ab.py --out-dir OUT [--cases "deepseek_v3:4096,8192;..."]
-        [--ways triton,ws,ws_down,ws_col]
+        [--ways triton,ws,ws_tiles,ws_down_only,ws_mid,ws_col,shipped]
 
 For every case (model, T, dynamic / static activation scales, uniform routing) one
 process times ``torch.ops.fp8_moe.grouped_experts`` several ways, on the same inputs:
@@ -10,7 +10,12 @@ process times ``torch.ops.fp8_moe.grouped_experts`` several ways, on the same in
   layer as it ran before the Gluon kernel);
 * ``ws``: the Gluon kernel for every GEMM ``ws_gemm.usable`` takes (the gate_up
   GEMM's A then quantised per sorted row), whatever the launch table says;
+* ``ws_tiles``: as ``ws`` with one program per tile instead of the persistent launch
+  (one program per SM, each taking every SM-count-th tile);
 * ``ws_down_only``: the Gluon kernel for the down GEMM only (the gate_up GEMM gathers);
+* ``ws_mid``: as ``ws``, with the launch table's mid-size entries (64-row tiles, up to
+  128-384 rows per expert) replaced by its prefill entry's tiles, so the Gluon kernel
+  takes those GEMMs too;
 * ``ws_col``: as ``ws`` with the Gluon kernel's ``GROUP_M`` = 1 (each row tile's
   column tiles in a row) instead of the table's 8;
 * ``shipped``: the launch table's choice (``"ws"`` in its entries).
@@ -38,28 +43,40 @@ import torch
 import fp8_moe_ops  # noqa: F401  (registers torch.ops.fp8_moe)
 from common import (BLOCK, MODELS, ExperimentConfig, Runner, cuda_events, each_scheme_case, layer_flops, log,
                     markdown_table, parse_sweep, time_ms)
-from fp8_moe_ops.kernels import experts, ws_gemm
+from fp8_moe_ops.kernels import config, experts, ws_gemm
 
 CASES = {"deepseek_v3": [4096, 8192, 16384], "qwen3_30b_a3b": [4096, 8192, 16384],
          "mixtral_8x7b": [2048, 4096, 16384]}
-WAYS = ("triton", "ws", "ws_down_only", "ws_col", "shipped")
+WAYS = ("triton", "ws", "ws_tiles", "ws_down_only", "ws_mid", "ws_col", "shipped")
 
 
 @contextlib.contextmanager
 def _way(way: str):
-    """The environment switch, the gate_up GEMM's A and the Gluon kernel's GROUP_M of one way."""
-    real_call, real_sorted = ws_gemm.ws_gemm_call, experts._sorted_a
+    """The environment switch, the gate_up GEMM's A and the Gluon kernel's GROUP_M and
+    programs of one way."""
+    real_call, real_sorted, real_table = ws_gemm.ws_gemm_call, experts._sorted_a, config._table
     if way != "shipped":
         os.environ["FP8_MOE_GLUON"] = "0" if way == "triton" else "1"
     if way == "ws_col":
         ws_gemm.ws_gemm_call = lambda *a, **kw: real_call(*a, **{**kw, "group_m": 1})
+    if way == "ws_tiles":
+        ws_gemm.ws_gemm_call = lambda *a, **kw: real_call(*a, **{**kw, "max_programs": None})
     if way == "ws_down_only":
         experts._sorted_a = lambda *a: False
+    if way == "ws_mid":
+        shipped = real_table()
+        prefill = {**shipped["default"][-1], "max_rows": None}
+
+        def mid(entries):
+            return [{**prefill, "max_rows": e["max_rows"]} if e["BM"] == 64 else e for e in entries]
+
+        table = {"default": mid(shipped["default"]), "shapes": {k: mid(v) for k, v in shipped["shapes"].items()}}
+        config._table = lambda: table
     try:
         yield
     finally:
         os.environ.pop("FP8_MOE_GLUON", None)
-        ws_gemm.ws_gemm_call, experts._sorted_a = real_call, real_sorted
+        ws_gemm.ws_gemm_call, experts._sorted_a, config._table = real_call, real_sorted, real_table
 
 
 def kernel_ms(fn, calls: int = 10) -> dict:

@@ -10,7 +10,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-__all__ = ["TensorDescriptor", "_ws_gemm_kernel", "ring", "shared_layout"]
+__all__ = ["TensorDescriptor", "_ws_gemm_kernel", "load_tile", "ring", "shared_layout"]
 
 
 @gluon.jit
@@ -19,16 +19,16 @@ def _add(a, b):
 
 
 @gluon.jit
-def _tile_of(pid, offsets_ptr, S, E, num_pid_m, num_pid_n, BM: gl.constexpr, EP: gl.constexpr,
+def _tile_of(tile, offsets_ptr, S, E, num_pid_m, num_pid_n, BM: gl.constexpr, EP: gl.constexpr,
              GROUP_M: gl.constexpr):
-    """(pid_n, expert, row0, row1, K steps to run) of program ``pid``: the grouped
-    kernel's tile map.  A tail tile (past the experts' rows) runs no K step over
-    [row0, S) and so stores zeros."""
+    """(pid_n, expert, row0, row1, whether it is a tail tile) of ``tile``: the grouped
+    kernel's tile map (its program ``tile``).  A tail tile (past the experts' rows)
+    runs no K step over [row0, S) and so stores zeros."""
     per_group = GROUP_M * num_pid_n
-    first_m = (pid // per_group) * GROUP_M
+    first_m = (tile // per_group) * GROUP_M
     group_m = gl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_m
-    pid_n = (pid % per_group) // group_m
+    pid_m = first_m + (tile % per_group) % group_m
+    pid_n = (tile % per_group) // group_m
     lay: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
     eo = gl.arange(0, EP, layout=lay)
     emask = eo < E
@@ -75,55 +75,82 @@ def ring(a_desc, w_desc, STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _producer(a_desc, w_desc, a_smem, w_smem, ready, empty, row0, wrow, KT, STAGES: gl.constexpr):
+def load_tile(a_desc, w_desc, a_smem, w_smem, ready, empty, row0, wrow, KT, it, STAGES: gl.constexpr):
+    """TMA loads of one tile's ``KT`` K steps (A rows from ``row0``, weight rows from
+    ``wrow``) into the ring from its position ``it`` (K steps issued before); returns
+    the position after them."""
     BK: gl.constexpr = a_desc.block_type.shape[1]
     nbytes: gl.constexpr = a_desc.block_type.nbytes + w_desc.block_type.nbytes
     for i in range(KT):
-        s = i % STAGES
-        # the slot's previous K step (i - STAGES) must be released by both consumers
-        mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1, pred=i >= STAGES)
+        s = it % STAGES
+        # the slot's previous K step (it - STAGES) must be released by both consumers
+        mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1, pred=it >= STAGES)
         mbarrier.expect(ready.index(s), nbytes)
         tma.async_copy_global_to_shared(a_desc, [row0, i * BK], ready.index(s), a_smem.index(s))
         tma.async_copy_global_to_shared(w_desc, [wrow, i * BK], ready.index(s), w_smem.index(s))
+        it += 1
+    return it
 
 
 @gluon.jit
-def _consumer(a_smem, w_smem, ready, empty, as_ptr, stride_asm, ws_ptr, stride_wsk, out_ptr, stride_om, perm_ptr,
-              row0, row1, e, n0, N, KT, HALF: gl.constexpr, STAGES: gl.constexpr, BK_SCALE: gl.constexpr,
-              STATIC: gl.constexpr, SCATTER_OUT: gl.constexpr, SCALE_E8M0: gl.constexpr):
-    HM: gl.constexpr = a_smem.type.shape[1] // 2
+def _producer(a_desc, w_desc, a_smem, w_smem, ready, empty, offsets_ptr, S, N, E, KT, num_pid_m, EP: gl.constexpr,
+              GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+    BM: gl.constexpr = a_desc.block_type.shape[0]
+    BN: gl.constexpr = w_desc.block_type.shape[0]
+    num_pid_n = gl.cdiv(N, BN)
+    it = 0  # K steps issued by this program, over all its tiles: the ring's position
+    for tile in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
+        pid_n, e, row0, row1, tail = _tile_of(tile, offsets_ptr, S, E, num_pid_m, num_pid_n, BM, EP, GROUP_M)
+        it = load_tile(a_desc, w_desc, a_smem, w_smem, ready, empty, row0, e * N + pid_n * BN, gl.where(tail, 0, KT),
+                       it, STAGES)
+
+
+@gluon.jit
+def _consumer(a_smem, w_smem, ready, empty, as_ptr, stride_asm, ws_ptr, stride_wse, stride_wsn, stride_wsk, out_ptr,
+              stride_om, perm_ptr, offsets_ptr, S, N, E, KT, num_pid_m, HALF: gl.constexpr, STAGES: gl.constexpr,
+              BN_SCALE: gl.constexpr, BK_SCALE: gl.constexpr, STATIC: gl.constexpr, SCATTER_OUT: gl.constexpr,
+              SCALE_E8M0: gl.constexpr, EP: gl.constexpr, GROUP_M: gl.constexpr):
+    BM: gl.constexpr = a_smem.type.shape[1]
+    HM: gl.constexpr = BM // 2
     BK: gl.constexpr = a_smem.type.shape[2]
     BN: gl.constexpr = w_smem.type.shape[1]
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 32])
-    rows = row0 + HALF * HM + gl.arange(0, HM, layout=gl.SliceLayout(1, mma))
-    rmask = rows < row1
-    if STATIC:
-        # the expert's scale once per row, as the grouped kernel's static tiles read it
-        a_s = gl.load(as_ptr + e + 0 * rows, mask=rmask, other=0.0)
-    as_row = as_ptr + rows.to(gl.int64) * stride_asm
-    acc = gl.zeros((HM, BN), gl.float32, mma)
     zero = gl.zeros((HM, BN), gl.float32, mma)
-    for i in range(KT):
-        s = i % STAGES
-        kg = (i * BK) // BK_SCALE
-        w_s = _weight_scale(ws_ptr + kg * stride_wsk, SCALE_E8M0)
+    num_pid_n = gl.cdiv(N, BN)
+    it = 0  # K steps consumed by this program, over all its tiles (as the producer counts them)
+    for tile in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
+        pid_n, e, row0, row1, tail = _tile_of(tile, offsets_ptr, S, E, num_pid_m, num_pid_n, BM, EP, GROUP_M)
+        n0 = pid_n * BN
+        ws_tile = ws_ptr + e.to(gl.int64) * stride_wse + (n0 // BN_SCALE) * stride_wsn
+        rows = row0 + HALF * HM + gl.arange(0, HM, layout=gl.SliceLayout(1, mma))
+        rmask = rows < row1
         if STATIC:
-            scale = a_s * w_s
+            # the expert's scale once per row, as the grouped kernel's static tiles read it
+            a_s = gl.load(as_ptr + e + 0 * rows, mask=rmask, other=0.0)
+        as_row = as_ptr + rows.to(gl.int64) * stride_asm
+        acc = gl.zeros((HM, BN), gl.float32, mma)
+        for i in range(gl.where(tail, 0, KT)):
+            s = it % STAGES
+            kg = (i * BK) // BK_SCALE
+            w_s = _weight_scale(ws_tile + kg * stride_wsk, SCALE_E8M0)
+            if STATIC:
+                scale = a_s * w_s
+            else:
+                scale = gl.load(as_row + kg, mask=rmask, other=0.0) * w_s
+            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+            t = warpgroup_mma(a_smem.index(s).slice(HALF * HM, HM, dim=0), w_smem.index(s).permute((1, 0)), zero,
+                              use_acc=False, is_async=True)
+            t = warpgroup_mma_wait(num_outstanding=0, deps=(t, ))
+            mbarrier.arrive(empty.index(s), count=1)
+            acc = acc + t * scale[:, None]  # contracted to one FMA, as the grouped kernel's tl.fma
+            it += 1
+        if SCATTER_OUT:
+            orow = gl.load(perm_ptr + rows, mask=rmask, other=0)
         else:
-            scale = gl.load(as_row + kg, mask=rmask, other=0.0) * w_s
-        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-        t = warpgroup_mma(a_smem.index(s).slice(HALF * HM, HM, dim=0), w_smem.index(s).permute((1, 0)), zero,
-                          use_acc=False, is_async=True)
-        t = warpgroup_mma_wait(num_outstanding=0, deps=(t, ))
-        mbarrier.arrive(empty.index(s), count=1)
-        acc = acc + t * scale[:, None]  # contracted to one FMA, as the grouped kernel's tl.fma
-    if SCATTER_OUT:
-        orow = gl.load(perm_ptr + rows, mask=rmask, other=0)
-    else:
-        orow = rows
-    cols = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, mma))
-    gl.store(out_ptr + orow.to(gl.int64)[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=rmask[:, None] & (cols < N)[None, :])
+            orow = rows
+        cols = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, mma))
+        gl.store(out_ptr + orow.to(gl.int64)[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=rmask[:, None] & (cols < N)[None, :])
 
 
 @gluon.jit
@@ -138,24 +165,19 @@ def _ws_gemm_kernel(
     S, N, E, KT, num_pid_m,
     BN_SCALE: gl.constexpr, BK_SCALE: gl.constexpr, STATIC: gl.constexpr, SCATTER_OUT: gl.constexpr,
     SCALE_E8M0: gl.constexpr, EP: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
 ):
-    BM: gl.constexpr = a_desc.block_type.shape[0]
-    BN: gl.constexpr = w_desc.block_type.shape[0]
-    pid_n, e, row0, row1, tail = _tile_of(gl.program_id(0), offsets_ptr, S, E, num_pid_m, gl.cdiv(N, BN), BM, EP,
-                                          GROUP_M)
-    kt = gl.where(tail, 0, KT)
-    n0 = pid_n * BN
-    wrow = e * N + n0
-    ws_tile = ws_ptr + e.to(gl.int64) * stride_wse + (n0 // BN_SCALE) * stride_wsn
     a_smem, w_smem, ready, empty = ring(a_desc, w_desc, STAGES)
     gl.warp_specialize([
-        (_consumer, (a_smem, w_smem, ready, empty, as_ptr, stride_asm, ws_tile, stride_wsk, out_ptr, stride_om,
-                     perm_ptr, row0, row1, e, n0, N, kt, 0, STAGES, BK_SCALE, STATIC, SCATTER_OUT, SCALE_E8M0)),
-        (_consumer, (a_smem, w_smem, ready, empty, as_ptr, stride_asm, ws_tile, stride_wsk, out_ptr, stride_om,
-                     perm_ptr, row0, row1, e, n0, N, kt, 1, STAGES, BK_SCALE, STATIC, SCATTER_OUT, SCALE_E8M0)),
-        (_producer, (a_desc, w_desc, a_smem, w_smem, ready, empty, row0, wrow, kt, STAGES)),
-    ], [4, 1], [CONSUMER_REGS, 40])
+        (_consumer, (a_smem, w_smem, ready, empty, as_ptr, stride_asm, ws_ptr, stride_wse, stride_wsn, stride_wsk,
+                     out_ptr, stride_om, perm_ptr, offsets_ptr, S, N, E, KT, num_pid_m, 0, STAGES, BN_SCALE, BK_SCALE,
+                     STATIC, SCATTER_OUT, SCALE_E8M0, EP, GROUP_M)),
+        (_consumer, (a_smem, w_smem, ready, empty, as_ptr, stride_asm, ws_ptr, stride_wse, stride_wsn, stride_wsk,
+                     out_ptr, stride_om, perm_ptr, offsets_ptr, S, N, E, KT, num_pid_m, 1, STAGES, BN_SCALE, BK_SCALE,
+                     STATIC, SCATTER_OUT, SCALE_E8M0, EP, GROUP_M)),
+        (_producer, (a_desc, w_desc, a_smem, w_smem, ready, empty, offsets_ptr, S, N, E, KT, num_pid_m, EP, GROUP_M,
+                     STAGES)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     for j in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(j))
         mbarrier.invalidate(empty.index(j))

@@ -14,13 +14,18 @@ Gluon (Triton's lower-level dialect, ``triton.experimental.gluon``, in the same 
   releases the slot (``empty``, two arrivals), then rescales, so one warpgroup's FMAs
   run while the other's MMAs do.
 
-The tile map is the grouped kernel's: every program finds its (expert, row tile)
-from the (E,) ``offsets`` (a scan of tiles per expert), with ``GROUP_M`` row tiles
-sharing each weight tile in L2.  Tiles past the experts' rows (the tail: sentinel
-slots) run no K step and store zeros, so every output row is written.  Rows of a
-tile past its expert's end, and K or N past the matrix, are loaded (TMA fills past
-the tensor with zeros; rows of the next expert are read and discarded) but never
-stored, so no result depends on them.
+The launch is persistent: one program per SM (fewer where there are fewer tiles), each
+taking every grid-th tile in turn through one ring, so the producer loads the next
+tile's first K steps while the consumers store the last tile's output.  (One program
+per tile, the first form, left each program's ring filling and its output store
+exposed: at K = 768 and 2048 that made it slower than the Triton kernel.)  The tile
+map is the grouped kernel's: a program finds each tile's (expert, row tile) from the
+(E,) ``offsets`` (a scan of tiles per expert), with ``GROUP_M`` row tiles sharing each
+weight tile in L2, and tiles running at the same time are consecutive.  Tiles past
+the experts' rows (the tail: sentinel slots) run no K step and store zeros, so every
+output row is written.  Rows of a tile past its expert's end, and K or N past the
+matrix, are loaded (TMA fills past the tensor with zeros; rows of the next expert are
+read and discarded) but never stored, so no result depends on them.
 
 Used only where :func:`usable` says so (an sm_90 GPU, a prefill entry of the launch
 table that chooses it, 128 x 128 blocks or coarser, TMA-aligned K); the grouped kernel
@@ -57,7 +62,8 @@ AVAILABLE = _ws_gemm_kernel is not None and triton.__version__.startswith("3.6."
 
 TILE = 128  # BM = BN = BK
 STAGES = 4  # ring slots (6 measured no faster on the H200: docs/benchmarks.md)
-CONSUMER_REGS = 232  # registers per consumer thread (setmaxnreg); the producer gets 40
+CONSUMER_REGS = 232  # registers per consumer thread (setmaxnreg)
+PRODUCER_REGS = 48  # registers per producer thread (its tile map of up to 256 experts fits)
 
 
 @functools.cache
@@ -65,11 +71,17 @@ def _sm90(index: int) -> bool:
     return torch.cuda.get_device_capability(index) == (9, 0)
 
 
+@functools.cache
+def programs(device: torch.device) -> int:
+    """Programs of a persistent launch on ``device``: one per SM."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def usable(device: torch.device, w: torch.Tensor, w_scale: torch.Tensor, block: tuple[int, int], cfg: dict) -> bool:
     """Whether :func:`ws_gemm_call` takes a GEMM of stacked weights ``w`` whose A rows
     are read in place (no gather) and with nothing fused into its launch.  The launch
     table chooses: K at least its entry's ``ws_min_k`` (set in its prefill entries: the
-    kernel measured faster at every K from 4096 up, slower at 2048 and below),
+    layers measured faster with it at every K from 768 to 14336),
     overridden by ``FP8_MOE_GLUON``: ``0`` never, ``1`` wherever it can run.
     It can run with Triton 3.6 (:data:`AVAILABLE`) on an sm_90 GPU (not the interpreter)
     with the table's prefill tiles
@@ -97,15 +109,18 @@ def tma_ready(q: torch.Tensor) -> bool:
 
 
 def ws_gemm_call(q, q_scale, w, ws, ws_strides, block, out, *, offsets, perm, scatter_out: bool, static: bool,
-                 e8m0: bool, num_pid_m: int, group_m: int) -> KernelCall:
+                 e8m0: bool, num_pid_m: int, group_m: int, max_programs: int | None) -> KernelCall:
     """The launch of :func:`_ws_gemm_kernel` (``ws``: the scale grid as the kernel reads
-    it, float32 or UE8M0 bytes, with its strides)."""
+    it, float32 or UE8M0 bytes, with its strides): ``num_pid_m`` row tiles (the tile
+    map's bound) times the column tiles, run by at most ``max_programs`` programs
+    (None: one per tile), each taking every ``grid``-th tile."""
     E, N, K = w.shape
     S = out.shape[0]
     tile = [TILE, TILE]  # A and weight tiles alike
     a_desc = TensorDescriptor.from_tensor(q, tile, shared_layout(tile))
     w_desc = TensorDescriptor(w, [E * N, K], [K, 1], tile, shared_layout(tile))
-    grid = (num_pid_m * triton.cdiv(N, TILE),)
+    tiles = num_pid_m * triton.cdiv(N, TILE)
+    grid = (tiles if max_programs is None else min(tiles, max_programs),)
     return KernelCall(_ws_gemm_kernel, grid, (
         a_desc, q_scale, q_scale.stride(0) if not static else 0,
         w_desc, ws, *ws_strides,
@@ -113,5 +128,6 @@ def ws_gemm_call(q, q_scale, w, ws, ws_strides, block, out, *, offsets, perm, sc
         perm if perm is not None else out, offsets,
         S, N, E, triton.cdiv(K, TILE), num_pid_m,
     ), dict(BN_SCALE=block[0], BK_SCALE=block[1], STATIC=static, SCATTER_OUT=scatter_out, SCALE_E8M0=e8m0,
-            EP=max(2, next_power_of_2(E)), GROUP_M=group_m, STAGES=STAGES, CONSUMER_REGS=CONSUMER_REGS),
+            EP=max(2, next_power_of_2(E)), GROUP_M=group_m, STAGES=STAGES, CONSUMER_REGS=CONSUMER_REGS,
+            PRODUCER_REGS=PRODUCER_REGS),
         dict(num_warps=4))
