@@ -84,6 +84,17 @@ def make_expert_weights(E, N, K, block_size, scale_dtype=torch.float32, per_tens
     return fp8_moe_ops.quantize_weight(w, None if per_tensor else block_size, scale_dtype)
 
 
+def uneven_offsets(S: int, E: int, gen: torch.Generator, unrouted: int) -> torch.Tensor:
+    """(E,) int32 offsets (inclusive cumsum) of S rows in uneven groups: random cuts,
+    the second expert empty (where there is one), the last ``unrouted`` rows past
+    ``offsets[-1]`` (fewer where the cuts end later)."""
+    cuts = torch.sort(torch.randint(0, S + 1, (E,), generator=gen)).values
+    if E > 1:
+        cuts[1] = cuts[0]
+    cuts[-1] = max(int(cuts[-2]) if E > 1 else 0, S - unrouted)
+    return cuts.to(torch.int32)
+
+
 def make_routing(T, k, E, kind="uniform", gen=None):
     """top_k_index (T, k) int64 and top_k_weights (T, k) float32.
 

@@ -35,7 +35,7 @@ from fp8_moe_ops.kernels import experts, moe
 from fp8_moe_ops.kernels.experts import ARG_NAMES, ExpertsPlan
 
 from helpers import (EXPERTS_BOUND, GEMM_BOUND, MODELS, make_expert_weights, make_experts_inputs, make_routing,
-                     poison_free_memory, rel_err, with_split_k)
+                     poison_free_memory, rel_err, uneven_offsets, with_split_k)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -181,11 +181,7 @@ def test_grouped_mm_matches_cpu(case, static, scale_dtype, dtypes):
     dtype, out_dtype = DTYPES[dtypes]
     gen, x, w, ws, a, block = _gemm_inputs(case, static, scale_dtype, dtype, seed=2)
     S, E = x.shape[0], w.shape[0]
-    # uneven groups, expert 1 empty, the last fifth of the rows past offsets[-1]
-    cuts = torch.sort(torch.randint(0, S + 1, (E,), generator=gen)).values
-    cuts[1] = cuts[0]
-    cuts[-1] = max(int(cuts[-2]), S - S // 5)
-    offsets = cuts.to(torch.int32)
+    offsets = uneven_offsets(S, E, gen, unrouted=S // 5)  # expert 1 empty, a fifth of the rows past the end
     poison_free_memory()
     out = OPS.grouped_mm(x.cuda(), w.cuda(), ws.cuda(), offsets.cuda(), block, _cuda(a), out_dtype)
     ref = OPS.grouped_mm(x, w, ws, offsets, block, a, out_dtype)

@@ -21,7 +21,8 @@ import torch
 from fp8_moe_ops import reference
 from fp8_moe_ops.kernels import ws_gemm
 
-from helpers import EXPERTS_BOUND, GEMM_BOUND, make_expert_weights, make_experts_inputs, poison_free_memory, rel_err
+from helpers import (EXPERTS_BOUND, GEMM_BOUND, make_expert_weights, make_experts_inputs, poison_free_memory, rel_err,
+                     uneven_offsets)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
@@ -96,12 +97,7 @@ def test_grouped_mm_equals_the_triton_kernel_bitwise(case, static, scales, dtype
     dtype, out_dtype = DTYPES[dtypes]
     gen, x, w, ws, a, block = _gemm_inputs(case, static, scales, dtype, seed=5)
     S, E = x.shape[0], w.shape[0]
-    # uneven groups, the second expert empty (when there is one), the last tenth of the rows past offsets[-1]
-    cuts = torch.sort(torch.randint(0, S + 1, (E,), generator=gen)).values
-    if E > 1:
-        cuts[1] = cuts[0]
-    cuts[-1] = max(int(cuts[-2]) if E > 1 else 0, S - S // 10)
-    offsets = cuts.to(torch.int32)
+    offsets = uneven_offsets(S, E, gen, unrouted=S // 10)  # the second expert empty, a tenth past the end
     args = _cuda(x, w, ws, offsets)
     got, want = _both(lambda: OPS.grouped_mm(*args, block, *_cuda(a), out_dtype), ws_launches)
     assert torch.equal(got, want)
@@ -120,11 +116,7 @@ def test_few_programs_take_every_tile_in_turn(case, static, programs, ws_launche
     monkeypatch.setattr(ws_gemm, "programs", lambda device: programs)
     gen, x, w, ws, a, block = _gemm_inputs(case, static, "f32", torch.bfloat16, seed=7)
     S, E = x.shape[0], w.shape[0]
-    cuts = torch.sort(torch.randint(0, S + 1, (E,), generator=gen)).values
-    if E > 1:
-        cuts[1] = cuts[0]
-    cuts[-1] = max(int(cuts[-2]) if E > 1 else 0, S - S // 7)
-    args = _cuda(x, w, ws, cuts.to(torch.int32))
+    args = _cuda(x, w, ws, uneven_offsets(S, E, gen, unrouted=S // 7))
     got, want = _both(lambda: OPS.grouped_mm(*args, block, *_cuda(a)), ws_launches)
     assert torch.equal(got, want)
     assert not got.isnan().any()
