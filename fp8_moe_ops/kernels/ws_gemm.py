@@ -18,14 +18,15 @@ The launch is persistent: one program per SM (fewer where there are fewer tiles)
 taking every grid-th tile in turn through one ring, so the producer loads the next
 tile's first K steps while the consumers store the last tile's output.  (One program
 per tile, the first form, left each program's ring filling and its output store
-exposed: at K = 768 and 2048 that made it slower than the Triton kernel.)  The tile
-map is the grouped kernel's: a program finds each tile's (expert, row tile) from the
-(E,) ``offsets`` (a scan of tiles per expert), with ``GROUP_M`` row tiles sharing each
-weight tile in L2, and tiles running at the same time are consecutive.  Tiles past
-the experts' rows (the tail: sentinel slots) run no K step and store zeros, so every
-output row is written.  Rows of a tile past its expert's end, and K or N past the
-matrix, are loaded (TMA fills past the tensor with zeros; rows of the next expert are
-read and discarded) but never stored, so no result depends on them.
+exposed: that made it slower than the Triton kernel at K = 768, and at K = 2048 for
+deepseek_v3's down GEMM in five of eight measured cases.)  The tile map is the grouped
+kernel's: a program finds each tile's (expert, row tile) from the (E,) ``offsets`` (a
+scan of tiles per expert), with ``GROUP_M`` row tiles sharing each weight tile in L2,
+and tiles running at the same time are consecutive.  Tiles past the experts' rows (the
+tail: sentinel slots) run no K step and store zeros, so every output row is written.
+Rows of a tile past its expert's end, and K or N past the matrix, are loaded (TMA fills
+past the tensor with zeros; rows of the next expert are read and discarded) but never
+stored, so no result depends on them.
 
 Used only where :func:`usable` says so (an sm_90 GPU, a prefill entry of the launch
 table that chooses it, 128 x 128 blocks or coarser, TMA-aligned K); the grouped kernel
