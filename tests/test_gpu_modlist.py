@@ -1,7 +1,8 @@
 """CUDA-only tests of ``fp8_moe::grouped_experts_list`` and the rewritten ModuleList
 loop (skipped without a GPU; on the H200: ``python -m pytest tests/test_gpu_modlist.py -q``):
 bitwise equal to the stacked op, no second copy of the weights in memory, CUDA graph
-capture after one eager call, a replaced parameter read through a new address table."""
+capture after one eager call, a replaced parameter read through a new address table,
+tables of freed weights dropped."""
 
 import pytest
 import torch
@@ -143,6 +144,28 @@ def test_cuda_graph_capture_after_one_eager_call():
     static_hidden.copy_(new_hidden)
     graph.replay()
     assert torch.equal(out, OPS.grouped_experts_list(**dict(lists, hidden=new_hidden)))
+
+
+def test_reloaded_weights_do_not_pile_up_tables(monkeypatch):
+    # new weight tensors every step (a reload): the tables of freed ones are dropped
+    # (after a synchronize) while a graph captured on live weights replays as before
+    from fp8_moe_ops.kernels import moe_list
+
+    monkeypatch.setattr(moe_list, "_TABLES", {})
+    monkeypatch.setattr(moe_list, "MIN_SWEEP", 4)
+    monkeypatch.setattr(moe_list, "_sweep_at", 4)
+    _, lists = _stacked_and_lists(16, 8, 256, 128, 2, False, seed=8)
+    eager = OPS.grouped_experts_list(**lists)
+    static_hidden = lists["hidden"].clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = OPS.grouped_experts_list(**dict(lists, hidden=static_hidden))
+    for _ in range(30):
+        down = [t.clone() for t in lists["down_proj"]]  # the last step's tensors are freed here
+        assert torch.equal(OPS.grouped_experts_list(**dict(lists, down_proj=down)), eager)
+        assert len(moe_list._TABLES) <= 4  # the captured set's, and up to three since the last drop
+    graph.replay()
+    assert torch.equal(out, eager)
 
 
 def test_capture_without_a_table_is_a_clear_error():

@@ -287,7 +287,8 @@ def test_address_table_cached_per_set_of_tensors():
 
     a = _lists()
     lists = (a["gate_up_proj"], a["gate_up_scale_inv"], a["down_proj"], a["down_scale_inv"])
-    table, aligned, parts = address_table(lists, torch.device("cpu"))
+    entry = address_table(lists, torch.device("cpu"))
+    table, aligned, parts = entry.table, entry.aligned, entry.parts
     want = [t.data_ptr() for ts in lists for t in ts]
     assert table.dtype == torch.int64 and table.tolist() == want
     # one view of the table per list, in the lists' order (what the kernel reads per list)
@@ -295,15 +296,47 @@ def test_address_table_cached_per_set_of_tensors():
     assert all(p.untyped_storage().data_ptr() == table.untyped_storage().data_ptr() for p in parts)
     assert aligned  # rows of (E, N, K) tensors with N * K a multiple of 16
     # the same tensors (in new lists, as each call passes them): the same table, not rebuilt
-    assert address_table(tuple(list(ts) for ts in lists), torch.device("cpu"))[0] is table
+    assert address_table(tuple(list(ts) for ts in lists), torch.device("cpu")).table is table
     # updated in place: the addresses hold, so does the table
     a["down_proj"][1].view(torch.uint8).add_(1)
-    assert address_table(lists, torch.device("cpu"))[0] is table
+    assert address_table(lists, torch.device("cpu")).table is table
     # a replaced tensor: a new table with its address
     new_w = a["down_proj"][1].clone()
     replaced = (lists[0], lists[1], [lists[2][0], new_w, *lists[2][2:]], lists[3])
     other = address_table(replaced, torch.device("cpu")).table
     assert other is not table and other[2 * 4 + 1].item() == new_w.data_ptr()  # after 4 + 4 gate_up entries
+
+
+def test_address_tables_of_freed_tensors_are_dropped(monkeypatch):
+    # parameters replaced again and again (a reload per step) must not grow the cache
+    # without bound: a build, once the cache has doubled, drops the tables of sets with a
+    # freed tensor; live sets (views of a live tensor too) and captured tables stay
+    from fp8_moe_ops.kernels import moe_list
+
+    monkeypatch.setattr(moe_list, "_TABLES", {})
+    monkeypatch.setattr(moe_list, "MIN_SWEEP", 4)
+    monkeypatch.setattr(moe_list, "_sweep_at", 4)
+    cpu = torch.device("cpu")
+    a = _lists()
+    gate_up, gate_up_s, down_s = a["gate_up_proj"], a["gate_up_scale_inv"], a["down_scale_inv"]
+    live = moe_list.address_table((gate_up, gate_up_s, a["down_proj"], down_s), cpu)
+    stacked = torch.stack(a["down_proj"])
+    views = moe_list.address_table((gate_up, gate_up_s, list(stacked.unbind()), down_s), cpu)
+    gone = [t.clone() for t in a["down_proj"]]
+    captured = moe_list.address_table((gate_up, gate_up_s, gone, down_s), cpu)
+    with monkeypatch.context() as m:
+        m.setattr(moe_list, "_capturing", lambda device: True)
+        assert moe_list.address_table((gate_up, gate_up_s, gone, down_s), cpu) is captured  # captured: kept
+        with pytest.raises(RuntimeError, match="run one eager call"):  # no table is built while capturing
+            moe_list.address_table((gate_up, gate_up_s, [t.clone() for t in gone], down_s), cpu)
+    del gone
+    assert captured.freed() and not live.freed()
+    for _ in range(40):
+        moe_list.address_table((gate_up, gate_up_s, [t.clone() for t in a["down_proj"]], down_s), cpu)
+        assert len(moe_list._TABLES) <= 6  # 3 kept + the new one, doubled
+    tables = list(moe_list._TABLES.values())
+    assert any(t is live for t in tables) and any(t is captured for t in tables)
+    assert moe_list.address_table((gate_up, gate_up_s, list(stacked.unbind()), down_s), cpu) is views
 
 
 def test_address_table_knows_unaligned_weights():
@@ -314,7 +347,7 @@ def test_address_table_knows_unaligned_weights():
     buf = torch.empty(64 * 32 + 8, dtype=torch.float8_e4m3fn)
     odd = buf[8:].view(64, 32)
     lists = (a["gate_up_proj"], a["gate_up_scale_inv"], [odd, *a["down_proj"][1:]], a["down_scale_inv"])
-    assert not address_table(lists, torch.device("cpu"))[1]
+    assert not address_table(lists, torch.device("cpu")).aligned
 
     def four(**changed):
         return tuple(changed.get(n, a[n]) for n in ("gate_up_proj", "gate_up_scale_inv", "down_proj", "down_scale_inv"))

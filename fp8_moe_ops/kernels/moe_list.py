@@ -13,11 +13,18 @@ device).  An address is all a table holds, so:
   table stays right;
 * a replaced parameter (``module.weight = new``, ``.data = ...``, a reload) has a new
   address: the next call builds and caches a new table;
-* a CUDA graph captures the table's address; tables are never freed (32 bytes per
-  expert per set of tensors), so a graph replays against a live table.  A table is
-  never built during capture (the host-to-device copy cannot be captured): run one
-  eager call before capturing, as one does anyway to warm up Triton; a replaced
-  parameter needs a re-capture, as with any captured graph.
+* a CUDA graph captures the table's address.  A table is never built during capture
+  (the host-to-device copy cannot be captured): run one eager call before capturing,
+  as one does anyway to warm up Triton; a replaced parameter needs a re-capture, as
+  with any captured graph.
+
+Tables do not pile up as parameters are replaced again and again (a reload per step,
+FSDP-style re-allocation): each holds weak references to its tensors' storages, and
+building a table, once the cache has doubled since the last look, drops every table
+one of whose storages has been freed.  A table a CUDA graph has captured is kept
+(the graph replays against it), and the GPU is synchronised before a CUDA table is
+freed (a kernel on another stream may still read it).  So the cache holds the live
+sets of tensors, the captured ones, and at most as many again.
 
 Gate and up as separate lists (2E matrices: every gate, then every up) are one
 gate_up launch over a split table (``W_SPLIT``): each column tile reads a gate or an up
@@ -28,9 +35,10 @@ weights, so the op equals ``grouped_experts`` on the stacked tensors bitwise.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import threading
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from .grouped_gemm import WeightTable
 from .._checks import meta_key
@@ -40,19 +48,46 @@ from .moe import _block
 __all__ = ["grouped_experts_list"]
 
 
-class Table(NamedTuple):
+class Table:
     """A cached address table: the int64 device tensor, whether every weight address is
-    a multiple of 16 bytes, and its views over the four lists (kept, not sliced per call)."""
+    a multiple of 16 bytes, its views over the four lists (kept, not sliced per call),
+    weak references to the tensors' storages, and whether a CUDA graph captured it."""
 
-    table: torch.Tensor
-    aligned: bool
-    parts: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+    __slots__ = ("table", "aligned", "parts", "storages", "captured")
+
+    def __init__(self, table: torch.Tensor, aligned: bool, tensors: list[torch.Tensor], lengths: tuple):
+        self.table, self.aligned, self.parts = table, aligned, tuple(table.split(lengths))
+        self.storages = [StorageWeakRef(t.untyped_storage()) for t in tensors]
+        self.captured = False
+
+    def freed(self) -> bool:
+        """Whether the storage of one of the tensors has been freed."""
+        return any(ref.expired() for ref in self.storages)
 
 
 # (device, list lengths, every tensor's address) -> its Table
 _TABLES: dict[tuple, Table] = {}
+_LOCK = threading.Lock()  # builds and drops tables; lookups go without it
+MIN_SWEEP = 64  # tables cached before the first look for freed ones
+_sweep_at = MIN_SWEEP  # a build looks for freed tables once this many are cached
 
 _data_ptr = torch.Tensor.data_ptr
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _drop_freed() -> None:
+    """Drops the tables whose tensors are not all alive any more, but for captured ones
+    (under ``_LOCK``)."""
+    global _sweep_at
+    freed = [key for key, entry in list(_TABLES.items()) if not entry.captured and entry.freed()]
+    for device in {key[0] for key in freed if key[0].type == "cuda"}:
+        torch.cuda.synchronize(device)  # no kernel on any stream reads them any more
+    for key in freed:
+        del _TABLES[key]
+    _sweep_at = max(MIN_SWEEP, 2 * len(_TABLES))
 
 
 def _layout(w: torch.Tensor, s: torch.Tensor) -> tuple:
@@ -60,28 +95,36 @@ def _layout(w: torch.Tensor, s: torch.Tensor) -> tuple:
 
 
 def address_table(lists: tuple, device: torch.device) -> Table:
-    """The cached (sum of list lengths,) int64 table of the tensors' addresses on
-    ``device``, whether the weights' (lists 0 and 2) addresses are all 16-byte aligned
-    (separate allocations always are; views into one tensor may not be), and the
-    table's view over each list.
+    """The cached :class:`Table` of the tensors of ``lists``: their addresses in a (sum
+    of list lengths,) int64 tensor on ``device``, whether the weights' (lists 0 and 2)
+    addresses are all 16-byte aligned (separate allocations always are; views into one
+    tensor may not be), and the table's view over each list.
 
     Raises RuntimeError when the table does not exist yet and the current CUDA stream
     is capturing a graph."""
     lengths = tuple(map(len, lists))
-    ptrs = tuple(map(_data_ptr, [t for ts in lists for t in ts]))
+    tensors = [t for ts in lists for t in ts]
+    ptrs = tuple(map(_data_ptr, tensors))
     key = (device, lengths, ptrs)
     entry = _TABLES.get(key)
-    if entry is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                "fp8_moe::grouped_experts_list: no address table for these expert tensors yet, and one cannot "
-                "be built while a CUDA graph is being captured; run one eager call with the same weights "
-                "before capturing (a replaced parameter needs one more eager call and a re-capture)")
-        table = torch.tensor(ptrs, dtype=torch.int64, device=device)
-        g, gs, e = lengths[:3]
-        aligned = all(p % 16 == 0 for p in ptrs[:g] + ptrs[g + gs:g + gs + e])
-        # setdefault: a table another thread has just built and handed out stays the table
-        entry = _TABLES.setdefault(key, Table(table, aligned, tuple(table.split(lengths))))
+    if entry is not None:
+        if not entry.captured and _capturing(device):
+            entry.captured = True  # a graph replays against it: never dropped
+        return entry
+    if _capturing(device):
+        raise RuntimeError(
+            "fp8_moe::grouped_experts_list: no address table for these expert tensors yet, and one cannot "
+            "be built while a CUDA graph is being captured; run one eager call with the same weights "
+            "before capturing (a replaced parameter needs one more eager call and a re-capture)")
+    with _LOCK:
+        entry = _TABLES.get(key)  # another thread may have just built it
+        if entry is None:
+            if len(_TABLES) >= _sweep_at:
+                _drop_freed()
+            table = torch.tensor(ptrs, dtype=torch.int64, device=device)
+            g, gs, e = lengths[:3]
+            aligned = all(p % 16 == 0 for p in ptrs[:g] + ptrs[g + gs:g + gs + e])
+            entry = _TABLES[key] = Table(table, aligned, tensors, lengths)
     return entry
 
 
@@ -113,7 +156,8 @@ def grouped_experts_list(hidden, top_k_index, top_k_weights, gate_up_proj, gate_
     block = _block(block_size)
     E, G = len(down_proj), len(gate_up_proj)
     I = down_proj[0].shape[1]
-    _, aligned, parts = address_table((gate_up_proj, gate_up_scale_inv, down_proj, down_scale_inv), hidden.device)
+    entry = address_table((gate_up_proj, gate_up_scale_inv, down_proj, down_scale_inv), hidden.device)
+    aligned, parts = entry.aligned, entry.parts
     sources = routing_sources(hidden, top_k_index, top_k_weights, gate_up_act_scale, down_act_scale)
     sources.update(zip(("gate_up_w", "gate_up_s", "down_w", "down_s"), parts))
     key = (meta_key((hidden, top_k_index, top_k_weights, block_size, activation, gate_up_act_scale, down_act_scale,
