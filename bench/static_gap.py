@@ -40,14 +40,9 @@ def op_args(weights, inputs, scales) -> tuple:
 
 
 def forward(args: tuple):
-    """(out, env, the down GEMM's launch) of one forward on :func:`op_args`, never through
-    the decode launch (:func:`calibrated` reads h, which that launch does not store)."""
+    """(out, env, the down GEMM's launch) of one forward on :func:`op_args`."""
     sources = X._stacked_sources(args)
-    shipped, X.DECODE_SLOTS = X.DECODE_SLOTS, 0
-    try:
-        out, env, _, calls = X._stacked(args, sources)
-    finally:
-        X.DECODE_SLOTS = shipped
+    out, env, _, calls = X._stacked(args, sources)
     down = [c for c in calls if c.kernel.__name__ == "_grouped_gemm_kernel"][-1]
     return out, env, down
 

@@ -271,7 +271,6 @@ def test_fused_launches_equal_the_separate_kernels_bitwise(case, combo, monkeypa
     fused = kernels.grouped_experts(**cargs)
     monkeypatch.setattr(experts, "ACT_SLOTS", 0)
     monkeypatch.setattr(experts, "COMBINE_SLOTS", 0)
-    monkeypatch.setattr(experts, "DECODE_SLOTS", 0)
     assert len(experts.shape_calls(T, k, E, H, I, tuple(block))) == 5
     assert torch.equal(kernels.grouped_experts(**cargs), fused)
 

@@ -38,9 +38,9 @@ if INTERPRETED:
     import triton
 
     from fp8_moe_ops import kernels, reference
-    from fp8_moe_ops.kernels import decode, experts, moe
-    from fp8_moe_ops.kernels.decode import _decode_gate_up_kernel
+    from fp8_moe_ops.kernels import experts, moe
     from fp8_moe_ops.kernels.grouped_gemm import _grouped_gemm_kernel
+    from fp8_moe_ops.kernels.sort import _sort_quant_kernel
     from fp8_moe_ops.kernels.quant import expert_of_rows
 
     @triton.jit
@@ -286,8 +286,9 @@ def _experts_args(case, dtype, scale_dtype, static, per_tensor=False, seed=0):
 
 def _check_experts(args, kw):
     # the activation in the gate_up GEMM's launch at every S the combine is fused at
-    with mock.patch.object(experts, "ACT_SLOTS", experts.COMBINE_SLOTS), mock.patch.object(experts, "DECODE_SLOTS", 0):
+    with mock.patch.object(experts, "ACT_SLOTS", experts.COMBINE_SLOTS):
         out = kernels.grouped_experts(*args, **kw)
+        batched = kernels.batched_experts(*args, **kw)
     ref = reference.grouped_experts(*args, **kw)
     assert out.shape == ref.shape and out.dtype == ref.dtype
     assert not out.isnan().any()
@@ -299,13 +300,11 @@ def _check_experts(args, kw):
     E = args[3].shape[0]
     none = ((idx < 0) | (idx >= E)).all(dim=1)
     assert torch.equal(out[none], torch.zeros_like(out[none]))  # sentinel-only tokens: exactly 0
+    assert torch.equal(batched, out)  # same machinery: bitwise
     # the activation in the gate_up GEMM's launch and the combine in the down GEMM's (these
-    # S are all <= COMBINE_SLOTS), the decode launch (sort, quantisation, gate_up and
-    # activation in one) and the standalone kernels (larger S): the same arithmetic
-    assert args[1].numel() <= min(experts.COMBINE_SLOTS, decode.MAX_SLOTS)
-    with mock.patch.object(experts, "DECODE_SLOTS", decode.MAX_SLOTS):
-        assert torch.equal(kernels.grouped_experts(*args, **kw), out)
-    with mock.patch.object(experts, "COMBINE_SLOTS", 0), mock.patch.object(experts, "DECODE_SLOTS", 0):
+    # S are all <= COMBINE_SLOTS) and their standalone kernels (larger S): the same arithmetic
+    assert args[1].numel() <= experts.COMBINE_SLOTS
+    with mock.patch.object(experts, "COMBINE_SLOTS", 0):
         assert torch.equal(kernels.grouped_experts(*args, **kw), out)
     return out
 
@@ -591,23 +590,6 @@ def test_experts_list_equals_stacked_bitwise(case, separate, static, scale_dtype
     assert torch.equal(out, stacked)
 
 
-@pytest.mark.parametrize("case,static", [((13, 5, 48, 32, 3, [16, 16], "sentinel"), False), ("one_expert", True)],
-                         ids=["sentinels", "one_expert"])
-def test_experts_list_separate_gate_up_in_the_decode_launch(case, static):
-    # separate gate and up matrices (the split table) with block scale grids (I a multiple
-    # of bn, so the stacked grid splits at I), 39 and 22 slots: the decode launch reads
-    # each half from its own matrix, bitwise the stacked op
-    from helpers import as_expert_lists
-
-    args, kw = _experts_args(case, torch.bfloat16, torch.float32, static, seed=12)
-    lists = as_expert_lists(dict(zip(_NAMES, args)), separate=True)
-    lists = {k: [t.clone() for t in v] if isinstance(v, list) and k != "block_size" else v for k, v in lists.items()}
-    with mock.patch.object(experts, "DECODE_SLOTS", decode.MAX_SLOTS):
-        assert len(experts.shape_calls(*args[1].shape[:1], args[1].shape[1], args[3].shape[0], args[0].shape[1],
-                                       args[5].shape[2], tuple(args[7]))) == 2
-        assert torch.equal(kernels.grouped_experts_list(**lists, **kw), kernels.grouped_experts(*args, **kw))
-
-
 @pytest.mark.parametrize("separate,static", [(False, False), (True, True)], ids=["fused_dynamic", "separate_static"])
 def test_experts_list_plan_replays_new_inputs_and_new_weights(separate, static):
     # the list op records a plan on a signature's first call; later calls replay it with
@@ -658,21 +640,21 @@ def test_experts_list_weight_scale_per_tile_and_per_column(monkeypatch, BN):
 def test_launch_cache_keys_on_argument_specialisation():
     # one cached launch per (kernel, grid, compile-time values, argument specialisation):
     # the same call again adds none; a hidden state at an odd address adds the launch
-    # of the kernel that reads it (the decode launch's gate_up half)
+    # of the kernel that reads it (the sort fused with the activation quantisation)
     from fp8_moe_ops.kernels import launch
 
     args, _ = _experts_args("T1", torch.bfloat16, torch.float32, static=False)
     launch._LAUNCHES.clear()
     out = kernels.grouped_experts(*args)
     first = dict(launch._LAUNCHES)
-    assert len(first) == 2  # sort + quantise + gate_up + activation, down + combine (S <= DECODE_SLOTS)
+    assert len(first) == 3  # sort + quantise, gate_up + activation, down + combine (S <= ACT_SLOTS)
     assert torch.equal(kernels.grouped_experts(*args), out)
     assert launch._LAUNCHES.keys() == first.keys()
     hidden = args[0]
     args[0] = torch.empty(hidden.numel() + 1, dtype=hidden.dtype)[1:].view_as(hidden).copy_(hidden)
     assert torch.equal(kernels.grouped_experts(*args), out)
     added = [key for key in launch._LAUNCHES if key not in first]
-    assert [key[0] for key in added] == [_decode_gate_up_kernel]
+    assert [key[0] for key in added] == [_sort_quant_kernel]
 
 
 def test_direct_launch_passes_what_tritons_launcher_passes():

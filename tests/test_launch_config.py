@@ -66,10 +66,9 @@ def test_decode_programs_take_at_most_128_registers_except_split_k():
     from fp8_moe_ops.kernels import experts
 
     E, H, I, k = MODELS["mixtral_8x7b"]
-    down = experts.shape_calls(1, k, E, H, I, (128, 128))[-1]
+    gate_up, down = experts.shape_calls(1, k, E, H, I, (128, 128))[1:]
+    assert gate_up.options["maxnreg"] == 128
     assert down.constexprs["SPLIT"] > 1 and "maxnreg" not in down.options
-    gate_up = experts.shape_calls(10, k, E, H, I, (128, 128))[1]  # 20 slots: past the decode launch
-    assert gate_up.constexprs["GATHER_A"] and gate_up.options["maxnreg"] == 128
     assert gemm_config(2, E, 4096, 14336)["maxnreg"] == 128  # the same shape unsplit
     assert "maxnreg" not in experts.shape_calls(4096, k, E, H, I, (128, 128))[1].options  # prefill
 
@@ -84,14 +83,13 @@ def test_block_k(bk, step):
     assert block_k(bk) == step
 
 
-# T * k slots -> the experts forward's launches (dynamic and static alike): the sort, the
-# activation quantisation, the gate_up GEMM and the activation are one launch up to
-# DECODE_SLOTS; the sort and the activation quantisation share one up to MAX_SLOTS; the
-# combine runs in the down GEMM's launch up to COMBINE_SLOTS
+# T * k slots -> the experts forward's launches (dynamic and static alike): the sort and
+# the activation quantisation share one up to MAX_SLOTS; the combine runs in the down
+# GEMM's launch up to COMBINE_SLOTS and the activation in the gate_up GEMM's up to ACT_SLOTS
 LAUNCHES = {
-    4: ["decode gate_up", "down+combine"],
-    8: ["decode gate_up", "down+combine"],
-    16: ["decode gate_up", "down+combine"],
+    4: ["sort+quant", "gate_up+act", "down+combine"],
+    8: ["sort+quant", "gate_up+act", "down+combine"],
+    16: ["sort+quant", "gate_up+act", "down+combine"],
     20: ["sort+quant", "gate_up", "act", "down+combine"],
     64: ["sort+quant", "gate_up", "act", "down+combine"],
     68: ["sort+quant", "gate_up", "act", "down", "combine"],
@@ -102,7 +100,7 @@ LAUNCHES = {
 
 def _launch_names(calls) -> list[str]:
     names = {"_sort_quant_kernel": "sort+quant", "_quant_kernel": "quant", "_gated_act_quant_kernel": "act",
-             "_combine_kernel": "combine", "_decode_gate_up_kernel": "decode gate_up"}
+             "_combine_kernel": "combine"}
     out = []
     for call in calls:
         name = call.kernel.fn.__name__
@@ -120,16 +118,11 @@ def _launch_names(calls) -> list[str]:
 @pytest.mark.parametrize("slots", list(LAUNCHES))
 def test_experts_launches_by_slot_count(slots, static):
     # the launch list as the forward builds it, on placeholders (no kernel runs)
-    from fp8_moe_ops.kernels import decode, experts
+    from fp8_moe_ops.kernels import experts
 
     assert experts.ACT_SLOTS <= experts.COMBINE_SLOTS  # the activation's counters exist only there
-    assert experts.DECODE_SLOTS <= min(decode.MAX_SLOTS, experts.COMBINE_SLOTS)
     calls = experts.shape_calls(slots // 4, 4, 8, 64, 32, (16, 16), static)
     assert _launch_names(calls) == LAUNCHES[slots]
-    # a block size whose quantisation group is not one K step: no decode launch
-    if slots <= experts.DECODE_SLOTS:
-        calls = experts.shape_calls(slots // 4, 4, 8, 96, 48, (16, 48), static)
-        assert _launch_names(calls) == ["sort+quant", "gate_up+act", "down+combine"]
 
 
 @pytest.mark.parametrize("T,k,static,block_r", [
@@ -140,12 +133,10 @@ def test_experts_launches_by_slot_count(slots, static):
     (1, 8, False, 1),     # dynamic: one output per element of x
     (8192, 8, False, 16),
 ])
-def test_quantisation_programs_take_whole_tokens_and_no_more_rows_than_there_are(T, k, static, block_r, monkeypatch):
+def test_quantisation_programs_take_whole_tokens_and_no_more_rows_than_there_are(T, k, static, block_r):
     # the first launch of the forward quantises x: static, every token into its k slots
-    # (at decode where the decode launch does not run: a block size it does not take)
     from fp8_moe_ops.kernels import experts
 
-    monkeypatch.setattr(experts, "DECODE_SLOTS", 0)
     quant = experts.shape_calls(T, k, 256, 7168, 2048, (128, 128), static)[0]
     c = quant.constexprs
     assert c["BLOCK_R"] == block_r and c["BLOCK_G"] == 128

@@ -46,20 +46,13 @@ def gated_act_quant(h_ptr, stride_hm, q_ptr, s_ptr, act_scale_ptr, rows, rmask, 
     base = h_ptr + rows.to(tl.int64)[:, None] * stride_hm + cols[None, :]
     gate = tl.load(base, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
     up = tl.load(base + I, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-    a = gated_act(gate, up, mask, limit, h_ptr.dtype.element_ty, ACT, HAS_LIMIT)
-    quantize_and_store(a, rows, rmask, mask, cols, g, expert, q_ptr, s_ptr, act_scale_ptr, I,
-                       GROUP=GROUP, STATIC=STATIC)
-
-
-@triton.jit
-def gated_act(gate, up, mask, limit, dtype: tl.constexpr, ACT: tl.constexpr, HAS_LIMIT: tl.constexpr):
-    """``act(gate) * up`` in float32 of gate and up values of ``dtype`` (as float32),
-    rounded to ``dtype``; 0 outside ``mask``."""
     if HAS_LIMIT:
         gate = tl.minimum(gate, limit)
         up = tl.clamp(up, -limit, limit)
-    a = round_to(_apply_activation(gate, ACT) * up, dtype).to(tl.float32)
-    return tl.where(mask, a, 0.0)
+    a = round_to(_apply_activation(gate, ACT) * up, h_ptr.dtype.element_ty).to(tl.float32)
+    a = tl.where(mask, a, 0.0)
+    quantize_and_store(a, rows, rmask, mask, cols, g, expert, q_ptr, s_ptr, act_scale_ptr, I,
+                       GROUP=GROUP, STATIC=STATIC)
 
 
 @triton.jit

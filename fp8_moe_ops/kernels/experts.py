@@ -22,11 +22,6 @@ Layout of the forward (S = T * k slots, slot ``t*k + j`` is token t's j-th choic
    (``COMBINE_SLOTS``: decode) in the down GEMM's launch, by the last row tile to
    finish each column tile (:mod:`.grouped_gemm`), with counters the sort zeroes.
 
-For S <= ``DECODE_SLOTS`` (and a bk the kernel takes: :func:`.decode.usable`) steps 1-4
-are one launch (:mod:`.decode`): every program sorts the slots in registers and
-quantises its own A rows, and program 0 writes ``perm`` / ``offsets`` for step 5; the
-quantised activations and h never go to memory.
-
 Sentinel slots (ids outside [0, E)) are sorted last, never computed, and skipped by
 the combine.  ``batched_experts`` sorts internally and shares this path, so grouped
 and batched agree bitwise.  The intermediate buffers (perm, offsets, the quantised
@@ -61,7 +56,7 @@ from triton.runtime import driver
 
 from .. import routing
 from ..functional import cdiv, next_power_of_2
-from . import decode, ws_gemm
+from . import ws_gemm
 from .activation import ACT_IDS, _gated_act_quant_kernel
 from .combine import combine_call
 from .config import gemm_config
@@ -81,9 +76,6 @@ COMBINE_SLOTS = 64
 # saved 4-6 us of a T=1 layer in a CUDA graph and 1-2.5 % at 16 slots; at 64 slots qwen3_30b_a3b
 # T=8 lost 5-6 % and mixtral_8x7b T=32 2 % (docs/benchmarks.md)
 ACT_SLOTS = 16
-# at most this many slots (and <= decode.MAX_SLOTS, COMBINE_SLOTS: its counters): the sort, the
-# activations' quantisation, the gate_up GEMM and the activation run as one launch (:mod:`.decode`)
-DECODE_SLOTS = 16
 
 # the experts ops' arguments, in schema order
 ARG_NAMES = ("hidden", "top_k_index", "top_k_weights", "gate_up_proj", "gate_up_scale_inv", "down_proj",
@@ -103,25 +95,22 @@ class Layout(NamedTuple):
 
 
 def _layout(T: int, k: int, E: int, H: int, I: int, bk: int, dtype: torch.dtype, static_gate_up: bool,
-            static_down: bool, sorted_a: bool = False, decode: bool = False) -> Layout:
+            static_down: bool, sorted_a: bool = False) -> Layout:
     """The forward's intermediate buffers; ``perm`` / ``offsets`` only where the
     one-launch sort runs (S <= 2048); ``sorted_a``: the gate_up GEMM's A stored per
-    expert-sorted slot (:func:`_sorted_a`); ``decode``: the gate_up half in one launch
-    (:func:`_decode`), which stores neither the quantised activations nor h."""
+    expert-sorted slot (:func:`_sorted_a`)."""
     S = T * k
     bufs = [("perm", torch.int32, (S,)), ("offsets", torch.int32, (E,))] if S <= MAX_SLOTS else []
     if S <= COMBINE_SLOTS:
-        bufs.append(("counters", torch.int32, (_counters(S, H, I, bk, decode)[0],)))
+        bufs.append(("counters", torch.int32, (_counters(S, H, I, bk)[0],)))
         split = down_split(S, E, H, I)
         if split > 1:
             bufs.append(("partials", torch.float32, (S, split, H)))
-    if not decode:
-        q_rows = S if static_gate_up or sorted_a else T
-        bufs.append(("q", torch.float8_e4m3fn, (q_rows, H)))
-        if not static_gate_up:
-            bufs.append(("q_scale", torch.float32, (q_rows, cdiv(H, bk))))
-        bufs.append(("h", dtype, (S, 2 * I)))
-    bufs.append(("a_q", torch.float8_e4m3fn, (S, I)))
+    q_rows = S if static_gate_up or sorted_a else T
+    bufs.append(("q", torch.float8_e4m3fn, (q_rows, H)))
+    if not static_gate_up:
+        bufs.append(("q_scale", torch.float32, (q_rows, cdiv(H, bk))))
+    bufs += [("h", dtype, (S, 2 * I)), ("a_q", torch.float8_e4m3fn, (S, I))]
     if not static_down:
         bufs.append(("a_scale", torch.float32, (S, cdiv(I, bk))))
     bufs.append(("y", dtype, (S, H)))
@@ -133,19 +122,12 @@ def _layout(T: int, k: int, E: int, H: int, I: int, bk: int, dtype: torch.dtype,
     return Layout(buffers, offset)
 
 
-def _counters(S: int, H: int, I: int, bk: int, decode: bool = False) -> tuple[int, int | None]:
+def _counters(S: int, H: int, I: int, bk: int) -> tuple[int, int | None]:
     """The counters of a forward of S <= COMBINE_SLOTS slots: (how many, where the gate_up
-    GEMM's start, None when it has none: the activation in its own launch, or in the
-    decode launch's programs).  The down GEMM's come first, one per column tile (BN >=
-    16), then one per quantisation group of I."""
+    GEMM's start, None when the activation has its own launch).  The down GEMM's come
+    first, one per column tile (BN >= 16), then one per quantisation group of I."""
     down = cdiv(H, 16)
-    return (down + cdiv(I, bk), down) if S <= ACT_SLOTS and not decode else (down, None)
-
-
-def _decode(S: int, block: tuple[int, int]) -> bool:
-    """Whether the gate_up half runs as one launch (:mod:`.decode`): S <= DECODE_SLOTS
-    and a block size it takes."""
-    return 0 < S <= DECODE_SLOTS and decode.usable(block)
+    return (down + cdiv(I, bk), down) if S <= ACT_SLOTS else (down, None)
 
 
 def routing_sources(hidden, top_k_index, top_k_weights, gate_up_act_scale, down_act_scale) -> dict:
@@ -185,27 +167,19 @@ def _sorted_a(device: torch.device, gate_up: tuple, S: int, E: int, I: int, H: i
 
 
 def _calls(env: dict, E: int, I: int, block: tuple[int, int], activation: str, swiglu_limit, gate_up: tuple,
-           down: tuple, sorted_a: bool = False, decode_launch: bool = False) -> list[KernelCall]:
+           down: tuple, sorted_a: bool = False) -> list[KernelCall]:
     """The forward's launches over the tensors of ``env`` (the op's routing tensors and
     act scales, ``out``, and the buffers of :func:`_layout`).  ``gate_up`` / ``down``:
-    the GEMMs' (w, w_scale), as :func:`.moe._gemm_call` takes them; ``sorted_a`` and
-    ``decode_launch`` as the layout's ``sorted_a`` and ``decode``."""
+    the GEMMs' (w, w_scale), as :func:`.moe._gemm_call` takes them; ``sorted_a`` as
+    the layout's."""
     bk = block[1]
     hidden, ids = env["hidden"], env["top_k_index"]
     T = hidden.shape[0]
     k = ids.shape[1]
     S = T * k
-    perm, offsets = env["perm"], env["offsets"]
+    perm, offsets, h, y = env["perm"], env["offsets"], env["h"], env["y"]
     counters = env.get("counters")  # the activation and the combine run in the GEMMs' launches
     gate_up_act_scale, down_act_scale = env["gate_up_act_scale"], env["down_act_scale"]
-    a_q = env["a_q"]
-    a_s = env["a_scale"] if down_act_scale is None else down_act_scale
-    static_down = down_act_scale is not None
-    if decode_launch:
-        calls = [decode.decode_gate_up_call(ids, hidden, gate_up_act_scale, *gate_up, perm, offsets, counters, a_q,
-                                            a_s, down_act_scale, I, block, activation, swiglu_limit)]
-        return calls + _down_calls(env, E, block, down, a_q, a_s, static_down)
-    h = env["h"]
     # gate_up: h (S, 2I) in sorted order, its A rows gathered through perm from x
     # quantised per token (dynamic) or from the slots quantised with their expert's scale
     # (static), either in the sort's launch where the sort is one
@@ -225,6 +199,9 @@ def _calls(env: dict, E: int, I: int, block: tuple[int, int], activation: str, s
         calls = [_quant_call(hidden, q, q_scale, T, bk)]
     # then act(gate) * up, rounded, quantised for the down projection: in the same launch
     # for S <= ACT_SLOTS, else its own
+    a_q = env["a_q"]
+    a_s = env["a_scale"] if down_act_scale is None else down_act_scale
+    static_down = down_act_scale is not None
     gated = None
     act_counters = None if counters is None else _counters(S, hidden.shape[1], I, bk)[1]
     if act_counters is not None:
@@ -239,19 +216,14 @@ def _calls(env: dict, E: int, I: int, block: tuple[int, int], activation: str, s
                 GROUP=bk, BLOCK_R=block_r, BLOCK_G=block_g, SEARCH_STEPS=E.bit_length()),
             dict(enable_fp_fusion=False)))
 
-    return [c for c in calls if c is not None] + _down_calls(env, E, block, down, a_q, a_s, static_down)
-
-
-def _down_calls(env: dict, E: int, block: tuple[int, int], down: tuple, a_q, a_s, static_down: bool) -> list:
-    """The down GEMM: y (S, H) back in slot order (sentinel slots' rows are zero or
-    unwritten, and never read), then the combine, in the same launch where there are
-    counters."""
-    ids, weights, out, counters = env["top_k_index"], env["top_k_weights"], env["out"], env.get("counters")
+    # down: y (S, H) back in slot order (sentinel slots' rows are zero or unwritten, and
+    # never read), then the combine, in the same launch where there are counters
+    weights, out = env["top_k_weights"], env["out"]
     fused = Combine(ids, weights, out, counters, env.get("partials")) if counters is not None else None
-    calls = [_gemm_call(a_q, a_s, *down, block, env["y"], offsets=env["offsets"], perm=env["perm"], scatter_out=True,
-                        static=static_down, combine=fused)]
+    calls.append(_gemm_call(a_q, a_s, *down, block, y, offsets=offsets, perm=perm, scatter_out=True,
+                            static=static_down, combine=fused))
     if fused is None:
-        calls.append(combine_call(env["y"], ids, weights, E, out))
+        calls.append(combine_call(y, ids, weights, E, out))
     return [c for c in calls if c is not None]
 
 
@@ -266,8 +238,7 @@ def shape_calls(T: int, k: int, E: int, H: int, I: int, block: tuple[int, int], 
     def meta(*shape, dt=torch.float32):
         return torch.zeros((), dtype=dt, device="meta").expand(*shape)
 
-    dec = _decode(S, block)
-    layout = _layout(T, k, E, H, I, bk, dtype, static, static, decode=dec)
+    layout = _layout(T, k, E, H, I, bk, dtype, static, static)
     ws = torch.empty(layout.nbytes, dtype=torch.uint8, device="meta")
     env = dict(zip((name for name, *_ in layout.buffers), layout.views(ws)))
     if S > MAX_SLOTS:  # torch's sort makes these
@@ -278,7 +249,7 @@ def shape_calls(T: int, k: int, E: int, H: int, I: int, block: tuple[int, int], 
     fp8 = torch.float8_e4m3fn
     gate_up = (meta(E, 2 * I, H, dt=fp8), meta(E, cdiv(2 * I, bn), cdiv(H, bk)))
     down = (meta(E, H, I, dt=fp8), meta(E, cdiv(H, bn), cdiv(I, bk)))
-    return _calls(env, E, I, (bn, bk), "silu", None, gate_up, down, decode_launch=dec)
+    return _calls(env, E, I, (bn, bk), "silu", None, gate_up, down)
 
 
 def experts_forward(sources: dict, E: int, I: int, block: tuple[int, int], gate_up: tuple, down: tuple,
@@ -294,9 +265,8 @@ def experts_forward(sources: dict, E: int, I: int, block: tuple[int, int], gate_
         return out, {}, Layout([], 0), []
     k = top_k_index.shape[1]
     sorted_a = _sorted_a(hidden.device, gate_up, T * k, E, I, H, block)
-    dec = _decode(T * k, block)
     layout = _layout(T, k, E, H, I, block[1], hidden.dtype, sources["gate_up_act_scale"] is not None,
-                     sources["down_act_scale"] is not None, sorted_a, dec)
+                     sources["down_act_scale"] is not None, sorted_a)
     ws = torch.empty(layout.nbytes, dtype=torch.uint8, device=hidden.device)
     env = dict(sources, out=out)
     env.update(zip((name for name, *_ in layout.buffers), layout.views(ws)))
@@ -306,7 +276,7 @@ def experts_forward(sources: dict, E: int, I: int, block: tuple[int, int], gate_
             perm = env["perm"]
             rows = torch.arange(perm.numel(), device=perm.device)
             env["slot_rows"] = torch.empty_like(perm).scatter_(0, perm, rows)
-    calls = _calls(env, E, I, block, activation, swiglu_limit, gate_up, down, sorted_a, dec)
+    calls = _calls(env, E, I, block, activation, swiglu_limit, gate_up, down, sorted_a)
     for call in calls:
         launch(call)
     return out, env, layout, calls

@@ -129,18 +129,6 @@ class Gated(NamedTuple):
     offset: int
 
 
-def weight_args(w, w_scale) -> tuple:
-    """A GEMM's weight as its kernels take it: (weights, scales, the scales' (expert,
-    row, column) strides, one scale row per matrix, UE8M0 scales, an address table,
-    split gate and up, the weights' address alignment) of the stacked ``w`` and its
-    grid ``w_scale``, or of a :class:`WeightTable` (``w_scale`` None)."""
-    if isinstance(w, WeightTable):
-        return w.w, w.scale, (0, *w.scale_strides), w.scale_rows == 1, w.scale_e8m0, True, w.split, w.align
-    ws = w_scale.view(torch.uint8) if w_scale.dtype == torch.float8_e8m0fnu else w_scale
-    return (w, ws, _scale_strides(w_scale), w_scale.shape[1] == 1, w_scale.dtype in (torch.float8_e8m0fnu, torch.uint8),
-            False, False, 16)
-
-
 def _gemm_call(q, q_scale, w, w_scale, block, out, *, offsets=None, perm=None, gather_a=False, scatter_out=False,
                static=False, topk=1, combine: Combine | None = None, gated: Gated | None = None) -> KernelCall | None:
     """The launch of ``out[rows] = q[rows] @ dequant(w[expert])^T`` over the
@@ -160,12 +148,21 @@ def _gemm_call(q, q_scale, w, w_scale, block, out, *, offsets=None, perm=None, g
     if S == 0:
         return None
     bn, bk = block
-    w, ws, ws_strides, one_scale_row, e8m0, table, split, align = weight_args(w, w_scale)
+    table = isinstance(w, WeightTable)
+    split = table and w.split
     cfg = gemm_config(S, E, 2 * N if split else N, K, combine is not None)
     k_split = cfg.get("SPLIT", 1)
     BM, BN = cfg["BM"], cfg["BN"]
     num_pid_m = max_row_tiles(S, E, BM, offsets is not None)
     grid = (num_pid_m * cdiv(N, BN) * (2 if split else 1) * k_split,)
+    align = w.align if table else 16
+    if table:
+        ws_strides, one_scale_row, e8m0 = (0, *w.scale_strides), w.scale_rows == 1, w.scale_e8m0
+        w, ws = w.w, w.scale
+    else:
+        e8m0 = w_scale.dtype in (torch.float8_e8m0fnu, torch.uint8)
+        ws = w_scale.view(torch.uint8) if w_scale.dtype == torch.float8_e8m0fnu else w_scale
+        ws_strides, one_scale_row = _scale_strides(w_scale), w_scale.shape[1] == 1
     if not table and combine is None and gated is None and not gather_a and offsets is not None \
             and ws_gemm.usable(out.device, w, w_scale, block, cfg) and ws_gemm.tma_ready(q):
         return ws_gemm.ws_gemm_call(q, q_scale, w, ws, ws_strides, block, out, offsets=offsets, perm=perm,
