@@ -14,9 +14,8 @@ Layout of the forward (S = T * k slots, slot ``t*k + j`` is token t's j-th choic
    rows (both schemes; ``slot_rows``, the inverse of ``perm``) and the GEMM reads A in
    place: the same bytes and scales, so the same output;
 4. gated activation + quantisation -> (S, I) fp8; for S <= 16 (``ACT_SLOTS``: decode)
-   in the gate_up GEMM's launch, for each row tile and quantisation group by the last
-   column tile holding the group to finish (:mod:`.grouped_gemm`), with counters the
-   sort zeroes;
+   in the gate_up GEMM's launch, by the last row tile to finish each quantisation
+   group (:mod:`.grouped_gemm`), with counters the sort zeroes;
 5. down GEMM, output rows scattered by ``perm`` -> y (S, H) in slot order (at decode
    with few experts in K ranges summed into float32 partials: :mod:`.config`);
 6. combine: per token, in ascending expert id, float32 -> (T, H); for S <= 64
@@ -61,7 +60,6 @@ from . import ws_gemm
 from .activation import ACT_IDS, _gated_act_quant_kernel
 from .combine import combine_call
 from .config import gemm_config
-from .grouped_gemm import max_row_tiles
 from .launch import KernelCall, cached, launch, through_jit
 from .moe import Combine, Gated, _block, _flat, _gemm_call, _quant_call, down_split
 from .quant import quant_launch_shape
@@ -104,7 +102,7 @@ def _layout(T: int, k: int, E: int, H: int, I: int, bk: int, dtype: torch.dtype,
     S = T * k
     bufs = [("perm", torch.int32, (S,)), ("offsets", torch.int32, (E,))] if S <= MAX_SLOTS else []
     if S <= COMBINE_SLOTS:
-        bufs.append(("counters", torch.int32, (_counters(S, E, H, I, bk)[0],)))
+        bufs.append(("counters", torch.int32, (_counters(S, H, I, bk)[0],)))
         split = down_split(S, E, H, I)
         if split > 1:
             bufs.append(("partials", torch.float32, (S, split, H)))
@@ -124,15 +122,12 @@ def _layout(T: int, k: int, E: int, H: int, I: int, bk: int, dtype: torch.dtype,
     return Layout(buffers, offset)
 
 
-def _counters(S: int, E: int, H: int, I: int, bk: int) -> tuple[int, int | None]:
+def _counters(S: int, H: int, I: int, bk: int) -> tuple[int, int | None]:
     """The counters of a forward of S <= COMBINE_SLOTS slots: (how many, where the gate_up
     GEMM's start, None when the activation has its own launch).  The down GEMM's come
-    first, one per column tile (BN >= 16), then one per row tile (BM >= 16) and
-    quantisation group of I."""
+    first, one per column tile (BN >= 16), then one per quantisation group of I."""
     down = cdiv(H, 16)
-    if S > ACT_SLOTS:
-        return down, None
-    return down + max_row_tiles(S, E, 16, True) * cdiv(I, bk), down
+    return (down + cdiv(I, bk), down) if S <= ACT_SLOTS else (down, None)
 
 
 def routing_sources(hidden, top_k_index, top_k_weights, gate_up_act_scale, down_act_scale) -> dict:
@@ -208,7 +203,7 @@ def _calls(env: dict, E: int, I: int, block: tuple[int, int], activation: str, s
     a_s = env["a_scale"] if down_act_scale is None else down_act_scale
     static_down = down_act_scale is not None
     gated = None
-    act_counters = None if counters is None else _counters(S, E, hidden.shape[1], I, bk)[1]
+    act_counters = None if counters is None else _counters(S, hidden.shape[1], I, bk)[1]
     if act_counters is not None:
         gated = Gated(a_q, a_s, counters, activation, swiglu_limit, static_down, act_counters)
     calls.append(_gemm_call(q, q_scale, *gate_up, block, h, **gemm, gated=gated))

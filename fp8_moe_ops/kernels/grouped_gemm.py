@@ -45,14 +45,12 @@ adds a slot's partials in range order and rounds that to y's dtype first.
 
 ``GATED`` (the gate_up GEMM at decode): the kernel also runs the gated activation and
 its quantisation for the down GEMM (:func:`.activation.gated_act_quant`), one launch
-fewer, with the same pattern: one counter per row tile and quantisation group of I
-(``NGROUPS`` groups a row tile, from ``counter_ptr + CNT_OFF``).  A program, once its
-tile of ``out`` (h) is stored, counts itself on every group whose gate or up columns
-the tile holds, and the program that completes a (row tile, group) count (every
-column tile holding the group) quantises that group of the row tile's rows, in blocks
-of RB, into ``act_q_ptr`` / ``act_s_ptr``.  So the activation is spread over the row
-tiles: a program that completed a whole group's count for all rows at once (the
-first form) ran up to S rows after the GEMM, in series.  Also launched without FMA
+fewer, with the same pattern: one counter per quantisation group of I, at
+``counter_ptr + CNT_OFF``.  Each row tile, once its tile of ``out`` (h) is stored,
+counts itself on every group whose gate or up columns the tile holds, and the program
+that completes a group's count (every row tile of every column tile holding the
+group) quantises that group for all sorted rows, ROWS (<= S rounded up to a power of
+two) in blocks of RB, into ``act_q_ptr`` / ``act_s_ptr``.  Also launched without FMA
 contraction, as the activation kernel is.
 """
 
@@ -105,7 +103,7 @@ def _grouped_gemm_kernel(
     COMBINE: tl.constexpr, TB: tl.constexpr, KP: tl.constexpr,  # the fused combine (module doc)
     SPLIT: tl.constexpr, KS: tl.constexpr,  # split K (COMBINE only): SPLIT ranges of KS (a multiple of BK)
     GATED: tl.constexpr, ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, ACT_STATIC: tl.constexpr,  # fused activation
-    NG: tl.constexpr, NGROUPS: tl.constexpr, CNT_OFF: tl.constexpr, RB: tl.constexpr, BLOCK_G: tl.constexpr,
+    NG: tl.constexpr, CNT_OFF: tl.constexpr, ROWS: tl.constexpr, RB: tl.constexpr, BLOCK_G: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EP: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -268,28 +266,28 @@ def _grouped_gemm_kernel(
                            SPLIT)
 
     if GATED:
-        # the program counts itself on each (row tile, quantisation group of I) that its
-        # columns touch (gate or up); the last one for a pair runs the activation of the
-        # group over the row tile's rows
+        # every row tile counts itself on each quantisation group of I that its columns
+        # touch (gate or up); the last one for a group runs the group's activation
         tl.debug_barrier()
         I = N if W_SPLIT else N // 2
         c_lo = n0 + half * N  # the tile's columns of out: [c_lo, c_hi)
         c_hi = tl.minimum(c_lo + BN, N + half * N)
-        cnt_row = counter_ptr + CNT_OFF + pid_m * NGROUPS
         for part in tl.static_range(2):  # the tile's gate columns, then its up columns
             lo = tl.maximum(c_lo, part * I) - part * I
             hi = tl.minimum(c_hi, part * I + I) - part * I
             for j in tl.static_range(NG):
                 g = lo // BK_SCALE + j
                 if (lo < hi) & (g * BK_SCALE < hi):
-                    done = tl.atomic_add(cnt_row + g, 1, sem="acq_rel", scope="gpu")
-                    if done == _tiles_of_group(g, I, W_SPLIT, BK_SCALE, BN) - 1:
+                    done = tl.atomic_add(counter_ptr + CNT_OFF + g, 1, sem="acq_rel", scope="gpu")
+                    if done == total * _tiles_of_group(g, I, W_SPLIT, BK_SCALE, BN) - 1:
                         tl.debug_barrier()
-                        for r0 in range(0, BM, RB):  # a loop, not unrolled: registers
-                            act_rows = row0 + r0 + tl.arange(0, RB)
+                        for r0 in range(0, ROWS, RB):  # a loop, not unrolled: registers
+                            act_rows = r0 + tl.arange(0, RB)
+                            # each row's expert: the number of inclusive offsets <= row
+                            expert = tl.sum(((ends[None, :] <= act_rows[:, None]) & emask[None, :]).to(tl.int32), 1)
                             gated_act_quant(out_ptr, stride_om, act_q_ptr, act_s_ptr, act_s_ptr, act_rows,
-                                            act_rows < row_end, e + 0 * act_rows, g, I, limit, ACT, HAS_LIMIT,
-                                            ACT_STATIC, BK_SCALE, BLOCK_G)
+                                            act_rows < last, expert, g, I, limit, ACT, HAS_LIMIT, ACT_STATIC,
+                                            BK_SCALE, BLOCK_G)
 
 
 @triton.jit

@@ -122,7 +122,7 @@ class Gated(NamedTuple):
 
     a_q: torch.Tensor  # (S, I) e4m3 out
     a_scale: torch.Tensor  # dynamic: (S, cdiv(I, bk)) float32 out; static: the (E,) input
-    counters: torch.Tensor  # int32, one per row tile and group of I (cdiv(I, bk)) from `offset` on, zeroed before
+    counters: torch.Tensor  # int32, cdiv(I, bk) of them from `offset` on, zeroed before
     activation: str
     swiglu_limit: float | None
     static: bool
@@ -183,18 +183,15 @@ def _gemm_call(q, q_scale, w, w_scale, block, out, *, offsets=None, perm=None, g
         T, topk = ids.shape  # the down GEMM gathers nothing: TOPK is the combine's k
         tb, kp = next_power_of_2(T), slots_block(topk)
         options["enable_fp_fusion"] = False  # the combine rounds each product, as the reference
-    act, act_meta = (dummy, dummy, 0.0), dict(GATED=False, ACT=0, HAS_LIMIT=False, ACT_STATIC=False, NG=1,
-                                                NGROUPS=1, CNT_OFF=0, RB=1, BLOCK_G=1)
+    act, act_meta = (dummy, dummy, 0.0), dict(GATED=False, ACT=0, HAS_LIMIT=False, ACT_STATIC=False, NG=1, CNT_OFF=0,
+                                                ROWS=1, RB=1, BLOCK_G=1)
     if gated is not None:
         counters, limit = gated.counters, gated.swiglu_limit
-        groups = cdiv(N if split else N // 2, bk)
-        if counters.numel() < gated.offset + num_pid_m * groups:
-            raise RuntimeError(f"activation counters: expected {num_pid_m} row tiles x {groups} groups from "
-                               f"{gated.offset}, got {counters.numel()} counters")
         act = (gated.a_q, gated.a_scale, float(limit) if limit is not None else 0.0)
+        rows = next_power_of_2(S)
         act_meta = dict(GATED=True, ACT=ACT_IDS[gated.activation], HAS_LIMIT=limit is not None,
-                        ACT_STATIC=gated.static, NG=cdiv(BN - 1, bk) + 1, NGROUPS=groups, CNT_OFF=gated.offset,
-                        RB=min(BM, 16), BLOCK_G=next_power_of_2(bk))
+                        ACT_STATIC=gated.static, NG=cdiv(BN - 1, bk) + 1, CNT_OFF=gated.offset, ROWS=rows,
+                        RB=min(rows, 16), BLOCK_G=next_power_of_2(bk))
         options["enable_fp_fusion"] = False  # as the activation kernel: the reference's roundings
     bk_step = block_k(bk)
     return KernelCall(_grouped_gemm_kernel, grid, (
