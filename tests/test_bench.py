@@ -306,3 +306,25 @@ def test_overlap_probe_compiles_every_form_for_sm90_without_a_gpu():
     assert res["lag1"]["ffma_overlapped"] > 0
     assert res["ws"]["warps"] > 8  # the producer and the second consumer are extra warps
     assert all(not r["serialised"] and 0 < r["registers"] <= 255 for r in res.values())
+
+
+def test_ncu_summary_keeps_each_kernels_named_metrics(monkeypatch, tmp_path):
+    ncu = _load("ncu_layers", monkeypatch)
+    head = ('"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size",'
+            '"Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"')
+
+    def row(i, kernel, section, name, unit, value):
+        return ",".join(f'"{v}"' for v in (i, 1, "python", "h", kernel, 1, 7, "(128, 1, 1)", "(8, 1, 1)", 0, "9.0",
+                                            section, name, unit, value))
+
+    path = tmp_path / "ncu.csv"
+    path.write_text("\n".join([
+        "==WARNING== Note: Running with unmodified GPU clocks.", head,
+        row(0, "_sort_quant_kernel", "GPU Speed Of Light Throughput", "Duration", "ns", "5,120"),
+        row(0, "_sort_quant_kernel", "GPU Speed Of Light Throughput", "Elapsed Cycles", "cycle", "10,042"),
+        row(1, "_grouped_gemm_kernel", "GPU Speed Of Light Throughput", "DRAM Throughput", "%", "66.70"),
+        row(1, "_grouped_gemm_kernel", "Launch Statistics", "Grid Size", "", "560"),
+    ]) + "\n")
+    assert ncu.summarize(str(path)) == [
+        {"kernel": "_sort_quant_kernel", "Duration": "5,120 ns"},  # Elapsed Cycles: not in SUMMARY
+        {"kernel": "_grouped_gemm_kernel", "DRAM Throughput": "66.70 %", "Grid Size": "560"}]
