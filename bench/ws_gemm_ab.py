@@ -1,7 +1,7 @@
 """Prefill layers with and without the Hopper GEMM kernel (``fp8_moe_ops/kernels/ws_gemm.py``).
 
     PYTHONPATH=. python bench/ws_gemm_ab.py --out-dir OUT [--cases "deepseek_v3:4096,8192;..."]
-        [--ways triton,ws,ws_tiles,ws_down_only,ws_mid,ws_col,shipped]
+        [--ways triton,ws,ws_tiles,ws_down_only,ws_mid,ws_col,ws_nolag,shipped]
 
 For every case (model, T, dynamic / static activation scales, uniform routing) one
 process times ``torch.ops.fp8_moe.grouped_experts`` several ways, on the same inputs:
@@ -18,6 +18,8 @@ process times ``torch.ops.fp8_moe.grouped_experts`` several ways, on the same in
   takes those GEMMs too;
 * ``ws_col``: as ``ws`` with the Gluon kernel's ``GROUP_M`` = 1 (each row tile's
   column tiles in a row) instead of the table's 8;
+* ``ws_nolag``: as ``shipped`` with the Gluon kernel's ``LAG`` off (each consumer
+  warpgroup waits for a K step's MMAs before it issues the next step's);
 * ``shipped``: the launch table's choice (``"ws"`` in its entries).
 
 Per way, measured twice (the ways in order, then in reverse: a drift of the clocks
@@ -47,20 +49,22 @@ from fp8_moe_ops.kernels import config, experts, ws_gemm
 
 CASES = {"deepseek_v3": [4096, 8192, 16384], "qwen3_30b_a3b": [4096, 8192, 16384],
          "mixtral_8x7b": [2048, 4096, 16384]}
-WAYS = ("triton", "ws", "ws_tiles", "ws_down_only", "ws_mid", "ws_col", "shipped")
+WAYS = ("triton", "ws", "ws_tiles", "ws_down_only", "ws_mid", "ws_col", "ws_nolag", "shipped")
 
 
 @contextlib.contextmanager
 def _way(way: str):
     """The environment switch, the gate_up GEMM's A and the Gluon kernel's GROUP_M and
     programs of one way."""
-    real_call, real_sorted, real_table = ws_gemm.ws_gemm_call, experts._sorted_a, config._table
-    if way != "shipped":
+    real_call, real_sorted, real_table, real_lag = ws_gemm.ws_gemm_call, experts._sorted_a, config._table, ws_gemm.LAG
+    if way not in ("shipped", "ws_nolag"):
         os.environ["FP8_MOE_GLUON"] = "0" if way == "triton" else "1"
     if way == "ws_col":
         ws_gemm.ws_gemm_call = lambda *a, **kw: real_call(*a, **{**kw, "group_m": 1})
     if way == "ws_tiles":
         ws_gemm.ws_gemm_call = lambda *a, **kw: real_call(*a, **{**kw, "max_programs": None})
+    if way == "ws_nolag":
+        ws_gemm.LAG = False
     if way == "ws_down_only":
         experts._sorted_a = lambda *a: False
     if way == "ws_mid":
@@ -77,6 +81,7 @@ def _way(way: str):
     finally:
         os.environ.pop("FP8_MOE_GLUON", None)
         ws_gemm.ws_gemm_call, experts._sorted_a, config._table = real_call, real_sorted, real_table
+        ws_gemm.LAG = real_lag
 
 
 def kernel_ms(fn, calls: int = 10) -> dict:

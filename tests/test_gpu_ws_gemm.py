@@ -8,7 +8,8 @@ the kernel (``FP8_MOE_GLUON=1``: wherever it can run; asserted to launch) and wi
 ``FP8_MOE_GLUON=0`` (the Triton kernel) on the same seeded inputs, with the caching
 allocator's free memory filled with NaN before each call so that an output element
 the kernel forgets to write cannot pass.  Shapes are prefill-sized (the launch table's
-128 x 128 tiles) with prime E, N and K not multiples of 128, empty experts, rows past
+128 x 128 tiles) with prime E, N and K not multiples of 128 (an odd number of K steps:
+the kernel takes them two at a time), empty experts, rows past
 ``offsets[-1]``, sentinel ids, static and dynamic activation scales, float32, UE8M0
 and per-tensor weight scales, coarser blocks, and bf16 / fp16 / float32 outputs.
 """
@@ -31,7 +32,7 @@ pytestmark = [pytest.mark.gpu,
 OPS = torch.ops.fp8_moe
 E8M0 = torch.float8_e8m0fnu
 GEMM_CASES = {  # S, E, N, K, block
-    "prime E, N and K not multiples of 128": (3001, 7, 200, 912, [128, 128]),
+    "prime E, N and K not multiples of 128": (3001, 7, 200, 1040, [128, 128]),  # 9 K steps: an odd last one
     "one expert": (1500, 1, 384, 1024, [128, 128]),
     "blocks 256": (2600, 3, 512, 768, [256, 256]),
     "many tiles": (8192, 8, 2048, 1792, [128, 128]),
@@ -137,7 +138,7 @@ def test_batched_mm_static_scatters_as_the_triton_kernel(case, scales, ws_launch
 
 
 EXPERT_CASES = {  # T, E, H, I, top_k, block, routing: T * k > 2048 (the torch sort) and > 384 rows per expert
-    "prime E, H and I not multiples of 128, sentinels": (1201, 7, 912, 400, 3, [128, 128], "sentinel"),
+    "prime E, H and I not multiples of 128, sentinels": (1201, 7, 1040, 400, 3, [128, 128], "sentinel"),  # odd K steps
     "an expert with no tokens": (1100, 5, 1024, 768, 2, [128, 128], "empty"),
     "all tokens on one expert": (2100, 3, 512, 256, 2, [128, 128], "one"),
 }

@@ -163,13 +163,15 @@ def test_ws_kernel_compiles_for_sm90_without_a_gpu():
 import sys; sys.path.insert(0, sys.argv[1])
 import torch, kernel_resources as kr
 from fp8_moe_ops.kernels import ws_gemm
-res = []
-for static, e8m0, scatter in [(False, False, True), (True, False, True), (False, True, False)]:
+res = []  # with and without the two-step overlap
+for static, e8m0, scatter, lag in [(False, False, True, True), (True, False, True, False), (False, True, False, True),
+                                   (False, False, False, False)]:
     E, N, K, S = 4, 256, 512, 4096
     w = torch.zeros(E, N, K, dtype=torch.float8_e4m3fn)
     ws = torch.ones(E, 2, 4, dtype=torch.uint8 if e8m0 else torch.float32)
     q = torch.zeros(S, K, dtype=torch.float8_e4m3fn)
     qs = torch.ones(E) if static else torch.ones(S, 4)
+    ws_gemm.LAG = lag
     call = ws_gemm.ws_gemm_call(q, qs, w, ws, ws.stride(), (128, 128), torch.empty(S, N, dtype=torch.bfloat16),
                                 offsets=torch.ones(E, dtype=torch.int64), perm=torch.arange(S), scatter_out=scatter,
                                 static=static, e8m0=e8m0, num_pid_m=40, group_m=8, max_programs=132)
@@ -177,7 +179,7 @@ for static, e8m0, scatter in [(False, False, True), (True, False, True), (False,
 print(res)
 """
     res = printed_by_fresh_process(code)
-    assert len(res) == 3
+    assert len(res) == 4
     for r in res:
         assert r["kernel"] == "_ws_gemm_kernel" and r["warps"] == 4
         assert 0 < r["registers"] <= 255 and r["spill_bytes"] == 0

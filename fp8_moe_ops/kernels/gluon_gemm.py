@@ -60,6 +60,19 @@ def _weight_scale(ptr, SCALE_E8M0: gl.constexpr):
 
 
 @gluon.jit
+def _step_scale(i, BK: gl.constexpr, BK_SCALE: gl.constexpr, ws_tile, stride_wsk, as_row, rmask, a_s,
+                STATIC: gl.constexpr, SCALE_E8M0: gl.constexpr):
+    """K step ``i``'s rescale of the tile's rows: activation scale (per row, or ``a_s``,
+    the expert's, when static) times the tile's weight scale."""
+    kg = (i * BK) // BK_SCALE
+    w_s = _weight_scale(ws_tile + kg * stride_wsk, SCALE_E8M0)
+    if STATIC:
+        return a_s * w_s
+    else:
+        return gl.load(as_row + kg, mask=rmask, other=0.0) * w_s
+
+
+@gluon.jit
 def ring(a_desc, w_desc, STAGES: gl.constexpr):
     """The shared-memory ring of ``STAGES`` K steps: A and weight tiles, and per slot a
     ``ready`` mbarrier (the producer's TMA bytes arrived) and an ``empty`` one (both
@@ -109,7 +122,7 @@ def _producer(a_desc, w_desc, a_smem, w_smem, ready, empty, offsets_ptr, S, N, E
 def _consumer(a_smem, w_smem, ready, empty, as_ptr, stride_asm, ws_ptr, stride_wse, stride_wsn, stride_wsk, out_ptr,
               stride_om, perm_ptr, offsets_ptr, S, N, E, KT, num_pid_m, HALF: gl.constexpr, STAGES: gl.constexpr,
               BN_SCALE: gl.constexpr, BK_SCALE: gl.constexpr, STATIC: gl.constexpr, SCATTER_OUT: gl.constexpr,
-              SCALE_E8M0: gl.constexpr, EP: gl.constexpr, GROUP_M: gl.constexpr):
+              SCALE_E8M0: gl.constexpr, EP: gl.constexpr, GROUP_M: gl.constexpr, LAG: gl.constexpr):
     BM: gl.constexpr = a_smem.type.shape[1]
     HM: gl.constexpr = BM // 2
     BK: gl.constexpr = a_smem.type.shape[2]
@@ -127,16 +140,39 @@ def _consumer(a_smem, w_smem, ready, empty, as_ptr, stride_asm, ws_ptr, stride_w
         if STATIC:
             # the expert's scale once per row, as the grouped kernel's static tiles read it
             a_s = gl.load(as_ptr + e + 0 * rows, mask=rmask, other=0.0)
+        else:
+            a_s = 0.0  # unused: the rows' own scales are read per K step
         as_row = as_ptr + rows.to(gl.int64) * stride_asm
         acc = gl.zeros((HM, BN), gl.float32, mma)
-        for i in range(gl.where(tail, 0, KT)):
+        kt = gl.where(tail, 0, KT)
+        if LAG:
+            # two K steps per trip: the second step's MMAs run while the first is rescaled
+            # (none in flight across the loop's back edge: ptxas would serialise every wgmma)
+            for i in range(0, kt - 1, 2):
+                scale0 = _step_scale(i, BK, BK_SCALE, ws_tile, stride_wsk, as_row, rmask, a_s, STATIC, SCALE_E8M0)
+                scale1 = _step_scale(i + 1, BK, BK_SCALE, ws_tile, stride_wsk, as_row, rmask, a_s, STATIC,
+                                     SCALE_E8M0)
+                s0 = it % STAGES
+                s1 = (it + 1) % STAGES
+                mbarrier.wait(ready.index(s0), (it // STAGES) & 1)
+                t0 = warpgroup_mma(a_smem.index(s0).slice(HALF * HM, HM, dim=0), w_smem.index(s0).permute((1, 0)),
+                                   zero, use_acc=False, is_async=True)
+                mbarrier.wait(ready.index(s1), ((it + 1) // STAGES) & 1)
+                t1 = warpgroup_mma(a_smem.index(s1).slice(HALF * HM, HM, dim=0), w_smem.index(s1).permute((1, 0)),
+                                   zero, use_acc=False, is_async=True)
+                t0 = warpgroup_mma_wait(num_outstanding=1, deps=(t0, ))
+                mbarrier.arrive(empty.index(s0), count=1)
+                acc = acc + t0 * scale0[:, None]
+                t1 = warpgroup_mma_wait(num_outstanding=0, deps=(t1, ))
+                mbarrier.arrive(empty.index(s1), count=1)
+                acc = acc + t1 * scale1[:, None]
+                it += 2
+            first = kt - kt % 2
+        else:
+            first = 0
+        for i in range(first, kt):
             s = it % STAGES
-            kg = (i * BK) // BK_SCALE
-            w_s = _weight_scale(ws_tile + kg * stride_wsk, SCALE_E8M0)
-            if STATIC:
-                scale = a_s * w_s
-            else:
-                scale = gl.load(as_row + kg, mask=rmask, other=0.0) * w_s
+            scale = _step_scale(i, BK, BK_SCALE, ws_tile, stride_wsk, as_row, rmask, a_s, STATIC, SCALE_E8M0)
             mbarrier.wait(ready.index(s), (it // STAGES) & 1)
             t = warpgroup_mma(a_smem.index(s).slice(HALF * HM, HM, dim=0), w_smem.index(s).permute((1, 0)), zero,
                               use_acc=False, is_async=True)
@@ -165,16 +201,16 @@ def _ws_gemm_kernel(
     S, N, E, KT, num_pid_m,
     BN_SCALE: gl.constexpr, BK_SCALE: gl.constexpr, STATIC: gl.constexpr, SCATTER_OUT: gl.constexpr,
     SCALE_E8M0: gl.constexpr, EP: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, LAG: gl.constexpr,
 ):
     a_smem, w_smem, ready, empty = ring(a_desc, w_desc, STAGES)
     gl.warp_specialize([
         (_consumer, (a_smem, w_smem, ready, empty, as_ptr, stride_asm, ws_ptr, stride_wse, stride_wsn, stride_wsk,
                      out_ptr, stride_om, perm_ptr, offsets_ptr, S, N, E, KT, num_pid_m, 0, STAGES, BN_SCALE, BK_SCALE,
-                     STATIC, SCATTER_OUT, SCALE_E8M0, EP, GROUP_M)),
+                     STATIC, SCATTER_OUT, SCALE_E8M0, EP, GROUP_M, LAG)),
         (_consumer, (a_smem, w_smem, ready, empty, as_ptr, stride_asm, ws_ptr, stride_wse, stride_wsn, stride_wsk,
                      out_ptr, stride_om, perm_ptr, offsets_ptr, S, N, E, KT, num_pid_m, 1, STAGES, BN_SCALE, BK_SCALE,
-                     STATIC, SCATTER_OUT, SCALE_E8M0, EP, GROUP_M)),
+                     STATIC, SCATTER_OUT, SCALE_E8M0, EP, GROUP_M, LAG)),
         (_producer, (a_desc, w_desc, a_smem, w_smem, ready, empty, offsets_ptr, S, N, E, KT, num_pid_m, EP, GROUP_M,
                      STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

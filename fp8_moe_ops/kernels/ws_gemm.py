@@ -10,9 +10,11 @@ Gluon (Triton's lower-level dialect, ``triton.experimental.gluon``, in the same 
 
 - a producer warp streams each K step's A (128 x 128) and weight (128 x 128) tiles
   with TMA into a ring of ``STAGES`` shared-memory slots (``ready`` mbarriers);
-- two consumer warpgroups take 64 rows of the tile each; each waits for its own MMAs,
-  releases the slot (``empty``, two arrivals), then rescales, so one warpgroup's FMAs
-  run while the other's MMAs do.
+- two consumer warpgroups take 64 rows of the tile each, so one warpgroup's FMAs can
+  run while the other's MMAs do; with ``LAG`` each takes two K steps at a time: it
+  issues both steps' MMAs, waits for the first's only, releases its slot (``empty``,
+  two arrivals) and rescales it while the second's run, then the second (an odd last
+  step alone).  Without, it waits for each step's MMAs before it issues the next.
 
 The launch is persistent: one program per SM (fewer where there are fewer tiles), each
 taking every grid-th tile in turn through one ring, so the producer loads the next
@@ -65,6 +67,7 @@ TILE = 128  # BM = BN = BK
 STAGES = 4  # ring slots (6 measured no faster on the H200: docs/benchmarks.md)
 CONSUMER_REGS = 232  # registers per consumer thread (setmaxnreg)
 PRODUCER_REGS = 48  # registers per producer thread (its tile map of up to 256 experts fits)
+LAG = True  # consumers take two K steps at a time (measured faster: docs/benchmarks.md)
 
 
 @functools.cache
@@ -130,5 +133,5 @@ def ws_gemm_call(q, q_scale, w, ws, ws_strides, block, out, *, offsets, perm, sc
         S, N, E, triton.cdiv(K, TILE), num_pid_m,
     ), dict(BN_SCALE=block[0], BK_SCALE=block[1], STATIC=static, SCATTER_OUT=scatter_out, SCALE_E8M0=e8m0,
             EP=max(2, next_power_of_2(E)), GROUP_M=group_m, STAGES=STAGES, CONSUMER_REGS=CONSUMER_REGS,
-            PRODUCER_REGS=PRODUCER_REGS),
+            PRODUCER_REGS=PRODUCER_REGS, LAG=LAG),
         dict(num_warps=4))
