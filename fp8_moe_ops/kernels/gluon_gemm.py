@@ -73,6 +73,18 @@ def _step_scale(i, BK: gl.constexpr, BK_SCALE: gl.constexpr, ws_tile, stride_wsk
 
 
 @gluon.jit
+def _start_mma(a_smem, w_smem, ready, it, zero, HALF: gl.constexpr, STAGES: gl.constexpr):
+    """Waits for ring position ``it``'s tiles to arrive and starts the MMAs of this
+    warpgroup's half of the rows on them (asynchronous: the caller waits for them, then
+    releases the slot)."""
+    HM: gl.constexpr = a_smem.type.shape[1] // 2
+    s = it % STAGES
+    mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+    return warpgroup_mma(a_smem.index(s).slice(HALF * HM, HM, dim=0), w_smem.index(s).permute((1, 0)), zero,
+                         use_acc=False, is_async=True)
+
+
+@gluon.jit
 def ring(a_desc, w_desc, STAGES: gl.constexpr):
     """The shared-memory ring of ``STAGES`` K steps: A and weight tiles, and per slot a
     ``ready`` mbarrier (the producer's TMA bytes arrived) and an ``empty`` one (both
@@ -152,32 +164,23 @@ def _consumer(a_smem, w_smem, ready, empty, as_ptr, stride_asm, ws_ptr, stride_w
                 scale0 = _step_scale(i, BK, BK_SCALE, ws_tile, stride_wsk, as_row, rmask, a_s, STATIC, SCALE_E8M0)
                 scale1 = _step_scale(i + 1, BK, BK_SCALE, ws_tile, stride_wsk, as_row, rmask, a_s, STATIC,
                                      SCALE_E8M0)
-                s0 = it % STAGES
-                s1 = (it + 1) % STAGES
-                mbarrier.wait(ready.index(s0), (it // STAGES) & 1)
-                t0 = warpgroup_mma(a_smem.index(s0).slice(HALF * HM, HM, dim=0), w_smem.index(s0).permute((1, 0)),
-                                   zero, use_acc=False, is_async=True)
-                mbarrier.wait(ready.index(s1), ((it + 1) // STAGES) & 1)
-                t1 = warpgroup_mma(a_smem.index(s1).slice(HALF * HM, HM, dim=0), w_smem.index(s1).permute((1, 0)),
-                                   zero, use_acc=False, is_async=True)
+                t0 = _start_mma(a_smem, w_smem, ready, it, zero, HALF, STAGES)
+                t1 = _start_mma(a_smem, w_smem, ready, it + 1, zero, HALF, STAGES)
                 t0 = warpgroup_mma_wait(num_outstanding=1, deps=(t0, ))
-                mbarrier.arrive(empty.index(s0), count=1)
+                mbarrier.arrive(empty.index(it % STAGES), count=1)
                 acc = acc + t0 * scale0[:, None]
                 t1 = warpgroup_mma_wait(num_outstanding=0, deps=(t1, ))
-                mbarrier.arrive(empty.index(s1), count=1)
+                mbarrier.arrive(empty.index((it + 1) % STAGES), count=1)
                 acc = acc + t1 * scale1[:, None]
                 it += 2
             first = kt - kt % 2
         else:
             first = 0
         for i in range(first, kt):
-            s = it % STAGES
             scale = _step_scale(i, BK, BK_SCALE, ws_tile, stride_wsk, as_row, rmask, a_s, STATIC, SCALE_E8M0)
-            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-            t = warpgroup_mma(a_smem.index(s).slice(HALF * HM, HM, dim=0), w_smem.index(s).permute((1, 0)), zero,
-                              use_acc=False, is_async=True)
+            t = _start_mma(a_smem, w_smem, ready, it, zero, HALF, STAGES)
             t = warpgroup_mma_wait(num_outstanding=0, deps=(t, ))
-            mbarrier.arrive(empty.index(s), count=1)
+            mbarrier.arrive(empty.index(it % STAGES), count=1)
             acc = acc + t * scale[:, None]  # contracted to one FMA, as the grouped kernel's tl.fma
             it += 1
         if SCATTER_OUT:
