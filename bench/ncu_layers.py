@@ -21,10 +21,10 @@ keeps, per kernel, the metrics ``SUMMARY`` names (ncu's CSV is about 250 KB).
 from __future__ import annotations
 
 import argparse
-import collections
 import csv
 import json
 import sys
+from pathlib import Path
 
 CASES = [("deepseek_v3", [1, 8192]), ("qwen3_30b_a3b", [1, 8]), ("mixtral_8x7b", [1])]
 SUMMARY = ("Duration", "DRAM Throughput", "Compute (SM) Throughput", "Registers Per Thread", "Grid Size",
@@ -62,13 +62,13 @@ def summarize(path: str) -> list[dict]:
     """ncu's ``--csv --page details`` output -> per kernel launch, in launch order (the
     cases of ``CASES`` one after the other): its name and the ``SUMMARY`` metrics as
     printed (value and unit)."""
-    lines = open(path).read().splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith('"ID"'))
+    lines = Path(path).read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith('"ID"'))  # ncu's notes come first
     rows = list(csv.reader(lines[start:]))
     col = {h: i for i, h in enumerate(rows[0])}
-    kernels = collections.OrderedDict()
+    kernels: dict[str, dict] = {}
     for r in rows[1:]:
-        if len(r) < len(col) - 5:
+        if len(r) <= col["Metric Value"]:  # not a metric's row
             continue
         entry = kernels.setdefault(r[col["ID"]], {"kernel": r[col["Kernel Name"]]})
         if r[col["Metric Name"]] in SUMMARY:
