@@ -19,16 +19,15 @@ def _add(a, b):
 
 
 @gluon.jit
-def _tile_of(tile, offsets_ptr, S, E, num_pid_m, num_pid_n, BM: gl.constexpr, EP: gl.constexpr,
-             GROUP_M: gl.constexpr):
-    """(pid_n, expert, row0, row1, whether it is a tail tile) of ``tile``: the grouped
-    kernel's tile map (its program ``tile``).  A tail tile (past the experts' rows)
-    runs no K step over [row0, S) and so stores zeros."""
-    per_group = GROUP_M * num_pid_n
-    first_m = (tile // per_group) * GROUP_M
-    group_m = gl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (tile % per_group) % group_m
-    pid_n = (tile % per_group) // group_m
+def _add_max(a0, a1, b0, b1):
+    return a0 + b0, gl.maximum(a1, b1)
+
+
+@gluon.jit
+def _expert_tiles(offsets_ptr, S, E, BM: gl.constexpr, EP: gl.constexpr):
+    """What the tile map needs of ``offsets`` beyond two of its entries, the same for
+    every tile of a launch: the inclusive cumsum of the experts' row tiles (in ``EP``
+    lanes), the number of row tiles, and the end of the experts' rows."""
     lay: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
     eo = gl.arange(0, EP, layout=lay)
     emask = eo < E
@@ -36,16 +35,32 @@ def _tile_of(tile, offsets_ptr, S, E, num_pid_m, num_pid_n, BM: gl.constexpr, EP
     ends = gl.minimum(gl.load(offsets_ptr + eo, mask=emask, other=0).to(gl.int32), S)
     starts = gl.minimum(gl.load(offsets_ptr + eo - 1, mask=emask & (eo > 0), other=0).to(gl.int32), S)
     tiles = (gl.maximum(ends - starts, 0) + BM - 1) // BM
-    cum = gl.associative_scan(tiles, 0, _add)
-    total = gl.sum(tiles, 0)
-    e = gl.sum((cum <= pid_m).to(gl.int32), 0)
-    sel = eo == e
-    row0 = gl.sum(gl.where(sel, starts + (pid_m - (cum - tiles)) * BM, 0), 0)
-    row1 = gl.sum(gl.where(sel, ends, 0), 0)
+    return gl.associative_scan(tiles, 0, _add), gl.sum(tiles, 0), gl.max(ends, 0)
+
+
+@gluon.jit
+def _tile_at(tile, cum, total, last, offsets_ptr, S, E, num_pid_m, num_pid_n, BM: gl.constexpr,
+             GROUP_M: gl.constexpr):
+    """(pid_n, expert, row0, row1, whether it is a tail tile) of ``tile``, from
+    :func:`_expert_tiles`: the grouped kernel's tile map (its program ``tile``).  A
+    tail tile (past the experts' rows) runs no K step over [row0, S) and so stores
+    zeros."""
+    per_group = GROUP_M * num_pid_n
+    first_m = (tile // per_group) * GROUP_M
+    group_m = gl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (tile % per_group) % group_m
+    pid_n = (tile % per_group) // group_m
+    # the expert: the number of experts whose row tiles all come before pid_m (the first
+    # with a tile past it, so one with rows); and the cumsum before it, in one reduction
+    passed = cum <= pid_m
+    e, before = gl.reduce((passed.to(gl.int32), gl.where(passed, cum, 0)), 0, _add_max)
+    e = gl.minimum(e, E - 1)
+    row0 = gl.minimum(gl.load(offsets_ptr + e - 1, mask=e > 0, other=0).to(gl.int32), S) + (pid_m - before) * BM
+    row1 = gl.minimum(gl.load(offsets_ptr + e).to(gl.int32), S)
     tail = pid_m >= total
-    row0 = gl.where(tail, gl.max(ends, 0) + (pid_m - total) * BM, row0)
+    row0 = gl.where(tail, last + (pid_m - total) * BM, row0)
     row1 = gl.where(tail, S, row1)
-    return pid_n, gl.minimum(e, E - 1), row0, row1, tail
+    return pid_n, e, row0, row1, tail
 
 
 @gluon.jit
@@ -125,7 +140,9 @@ def _producer(a_desc, w_desc, a_smem, w_smem, ready, empty, offsets_ptr, S, N, E
     num_pid_n = gl.cdiv(N, BN)
     it = 0  # K steps issued by this program, over all its tiles: the ring's position
     for tile in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
-        pid_n, e, row0, row1, tail = _tile_of(tile, offsets_ptr, S, E, num_pid_m, num_pid_n, BM, EP, GROUP_M)
+        # the scan per tile: the producer runs ahead of the consumers, so it is off their path
+        pid_n, e, row0, row1, tail = _tile_at(tile, *_expert_tiles(offsets_ptr, S, E, BM, EP), offsets_ptr, S, E,
+                                              num_pid_m, num_pid_n, BM, GROUP_M)
         it = load_tile(a_desc, w_desc, a_smem, w_smem, ready, empty, row0, e * N + pid_n * BN, gl.where(tail, 0, KT),
                        it, STAGES)
 
@@ -143,8 +160,11 @@ def _consumer(a_smem, w_smem, ready, empty, as_ptr, stride_asm, ws_ptr, stride_w
     zero = gl.zeros((HM, BN), gl.float32, mma)
     num_pid_n = gl.cdiv(N, BN)
     it = 0  # K steps consumed by this program, over all its tiles (as the producer counts them)
+    # once per program: between two tiles only the selection runs while the tensor cores wait
+    cum, total, last = _expert_tiles(offsets_ptr, S, E, BM, EP)
     for tile in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
-        pid_n, e, row0, row1, tail = _tile_of(tile, offsets_ptr, S, E, num_pid_m, num_pid_n, BM, EP, GROUP_M)
+        pid_n, e, row0, row1, tail = _tile_at(tile, cum, total, last, offsets_ptr, S, E, num_pid_m, num_pid_n, BM,
+                                              GROUP_M)
         n0 = pid_n * BN
         ws_tile = ws_ptr + e.to(gl.int64) * stride_wse + (n0 // BN_SCALE) * stride_wsn
         rows = row0 + HALF * HM + gl.arange(0, HM, layout=gl.SliceLayout(1, mma))

@@ -24,7 +24,10 @@ exposed: that made it slower than the Triton kernel at K = 768, and at K = 2048 
 deepseek_v3's down GEMM in five of eight measured cases.)  The tile map is the grouped
 kernel's: a program finds each tile's (expert, row tile) from the (E,) ``offsets`` (a
 scan of tiles per expert), with ``GROUP_M`` row tiles sharing each weight tile in L2,
-and tiles running at the same time are consecutive.  Tiles past the experts' rows (the
+and tiles running at the same time are consecutive.  The consumers scan once per
+program; between two tiles, while the tensor cores wait, they only find the tile's
+expert (one reduction over the scan) and read its two offsets.  The producer scans per
+tile: it runs ahead of them, so that is off their path.  Tiles past the experts' rows (the
 tail: sentinel slots) run no K step and store zeros, so every output row is written.
 Rows of a tile past its expert's end, and K or N past the matrix, are loaded (TMA fills
 past the tensor with zeros; rows of the next expert are read and discarded) but never
