@@ -54,6 +54,8 @@ def resources(call) -> dict:
             divisible.add(name)  # as the workspace's buffers and the weights are
         elif isinstance(a, float):
             sig[name] = "fp32"
+        elif a is None:
+            constexprs[name] = None  # an argument the launch form does not use (the JIT's constexpr None)
         elif a == 1:
             constexprs[name] = 1  # the JIT's specialisation of integers: 1 a constant,
         else:

@@ -5,12 +5,14 @@ imports it only where it can."""
 
 from __future__ import annotations
 
+import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-__all__ = ["TensorDescriptor", "_ws_gemm_kernel", "load_tile", "ring", "shared_layout"]
+__all__ = ["TensorDescriptor", "_ws_gemm_kernel", "load_tile", "ring", "out_layout", "shared_layout"]
 
 
 @gluon.jit
@@ -39,17 +41,20 @@ def _expert_tiles(offsets_ptr, S, E, BM: gl.constexpr, EP: gl.constexpr):
 
 
 @gluon.jit
-def _tile_at(tile, cum, total, last, offsets_ptr, S, E, num_pid_m, num_pid_n, BM: gl.constexpr,
-             GROUP_M: gl.constexpr):
-    """(pid_n, expert, row0, row1, whether it is a tail tile) of ``tile``, from
-    :func:`_expert_tiles`: the grouped kernel's tile map (its program ``tile``).  A
-    tail tile (past the experts' rows) runs no K step over [row0, S) and so stores
-    zeros."""
+def _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
+    """(row tile, column tile) of ``tile`` in the grouped order: ``GROUP_M`` row tiles
+    take each column tile in turn."""
     per_group = GROUP_M * num_pid_n
     first_m = (tile // per_group) * GROUP_M
     group_m = gl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (tile % per_group) % group_m
-    pid_n = (tile % per_group) // group_m
+    return first_m + (tile % per_group) % group_m, (tile % per_group) // group_m
+
+
+@gluon.jit
+def _tile_rows(pid_m, cum, total, last, offsets_ptr, S, E, BM: gl.constexpr):
+    """(expert, row0, row1, whether it is a tail tile) of row tile ``pid_m``, from
+    :func:`_expert_tiles`: the grouped kernel's tile map.  A tail tile (past the
+    experts' rows) runs no K step over [row0, S) and so stores zeros."""
     # the expert: the number of experts whose row tiles all come before pid_m (the first
     # with a tile past it, so one with rows); and the cumsum before it, in one reduction
     passed = cum <= pid_m
@@ -60,7 +65,7 @@ def _tile_at(tile, cum, total, last, offsets_ptr, S, E, num_pid_m, num_pid_n, BM
     tail = pid_m >= total
     row0 = gl.where(tail, last + (pid_m - total) * BM, row0)
     row1 = gl.where(tail, S, row1)
-    return pid_n, e, row0, row1, tail
+    return e, row0, row1, tail
 
 
 @gluon.jit
@@ -133,25 +138,37 @@ def load_tile(a_desc, w_desc, a_smem, w_smem, ready, empty, row0, wrow, KT, it, 
 
 
 @gluon.jit
-def _producer(a_desc, w_desc, a_smem, w_smem, ready, empty, offsets_ptr, S, N, E, KT, num_pid_m, EP: gl.constexpr,
-              GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+def _producer(a_desc, w_desc, a_smem, w_smem, ready, empty, info, offsets_ptr, S, N, E, KT, num_pid_m,
+              EP: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BN: gl.constexpr = w_desc.block_type.shape[0]
     num_pid_n = gl.cdiv(N, BN)
+    num_tiles = num_pid_m * num_pid_n
+    lay: gl.constexpr = gl.BlockedLayout([4], [32], [gl.num_warps()], [0])
+    field = gl.arange(0, 4, layout=lay)
+    cum, total, last = _expert_tiles(offsets_ptr, S, E, BM, EP)
     it = 0  # K steps issued by this program, over all its tiles: the ring's position
-    for tile in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
-        # the scan per tile: the producer runs ahead of the consumers, so it is off their path
-        pid_n, e, row0, row1, tail = _tile_at(tile, *_expert_tiles(offsets_ptr, S, E, BM, EP), offsets_ptr, S, E,
-                                              num_pid_m, num_pid_n, BM, GROUP_M)
-        it = load_tile(a_desc, w_desc, a_smem, w_smem, ready, empty, row0, e * N + pid_n * BN, gl.where(tail, 0, KT),
-                       it, STAGES)
+    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+        e, row0, row1, tail = _tile_rows(pid_m, cum, total, last, offsets_ptr, S, E, BM)
+        kt = gl.where(tail, 0, KT)
+        # the tile's expert and rows, for the consumers, beside its first K step (a tail tile has none: the
+        # consumers know it from the tile's index); written once the slot is free, before its loads
+        # announce it (the barrier makes the stores those of the thread that arrives)
+        if kt > 0:
+            s = it % STAGES
+            mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1, pred=it >= STAGES)
+            info.index(s).store(gl.where(field == 0, e, gl.where(field == 1, row0, row1)))
+            gl.thread_barrier()
+        it = load_tile(a_desc, w_desc, a_smem, w_smem, ready, empty, row0, e * N + pid_n * BN, kt, it, STAGES)
 
 
 @gluon.jit
-def _consumer(a_smem, w_smem, ready, empty, as_ptr, stride_asm, ws_ptr, stride_wse, stride_wsn, stride_wsk, out_ptr,
-              stride_om, perm_ptr, offsets_ptr, S, N, E, KT, num_pid_m, HALF: gl.constexpr, STAGES: gl.constexpr,
-              BN_SCALE: gl.constexpr, BK_SCALE: gl.constexpr, STATIC: gl.constexpr, SCATTER_OUT: gl.constexpr,
-              SCALE_E8M0: gl.constexpr, EP: gl.constexpr, GROUP_M: gl.constexpr, LAG: gl.constexpr):
+def _consumer(a_smem, w_smem, ready, empty, info, c_smem, as_ptr, stride_asm, ws_ptr, stride_wse, stride_wsn, stride_wsk,
+              out_ptr, stride_om, out_desc, perm_ptr, offsets_ptr, S, N, E, KT, num_pid_m, HALF: gl.constexpr,
+              STAGES: gl.constexpr, BN_SCALE: gl.constexpr, BK_SCALE: gl.constexpr, STATIC: gl.constexpr,
+              SCATTER_OUT: gl.constexpr, SCALE_E8M0: gl.constexpr, EP: gl.constexpr, GROUP_M: gl.constexpr,
+              LAG: gl.constexpr, EPILOGUE: gl.constexpr):
     BM: gl.constexpr = a_smem.type.shape[1]
     HM: gl.constexpr = BM // 2
     BK: gl.constexpr = a_smem.type.shape[2]
@@ -159,12 +176,22 @@ def _consumer(a_smem, w_smem, ready, empty, as_ptr, stride_asm, ws_ptr, stride_w
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 32])
     zero = gl.zeros((HM, BN), gl.float32, mma)
     num_pid_n = gl.cdiv(N, BN)
+    num_tiles = num_pid_m * num_pid_n
     it = 0  # K steps consumed by this program, over all its tiles (as the producer counts them)
-    # once per program: between two tiles only the selection runs while the tensor cores wait
-    cum, total, last = _expert_tiles(offsets_ptr, S, E, BM, EP)
-    for tile in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
-        pid_n, e, row0, row1, tail = _tile_at(tile, cum, total, last, offsets_ptr, S, E, num_pid_m, num_pid_n, BM,
-                                              GROUP_M)
+    lay: gl.constexpr = gl.BlockedLayout([4], [32], [gl.num_warps()], [0])
+    field = gl.arange(0, 4, layout=lay)
+    total, last = _expert_tiles(offsets_ptr, S, E, BM, EP)[1:]
+    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+        # the expert and rows from the producer, beside the tile's first K step: between two tiles
+        # the consumers read only shared memory; a tail tile, which has no K step, from its index
+        tail = pid_m >= total
+        s = it % STAGES
+        mbarrier.wait(ready.index(s), (it // STAGES) & 1, pred=~tail)
+        v = info.index(s).load(lay)
+        e = gl.where(tail, 0, gl.sum(gl.where(field == 0, v, 0), 0))
+        row0 = gl.where(tail, last + (pid_m - total) * BM, gl.sum(gl.where(field == 1, v, 0), 0))
+        row1 = gl.where(tail, S, gl.sum(gl.where(field == 2, v, 0), 0))
         n0 = pid_n * BN
         ws_tile = ws_ptr + e.to(gl.int64) * stride_wse + (n0 // BN_SCALE) * stride_wsn
         rows = row0 + HALF * HM + gl.arange(0, HM, layout=gl.SliceLayout(1, mma))
@@ -175,6 +202,10 @@ def _consumer(a_smem, w_smem, ready, empty, as_ptr, stride_asm, ws_ptr, stride_w
         else:
             a_s = 0.0  # unused: the rows' own scales are read per K step
         as_row = as_ptr + rows.to(gl.int64) * stride_asm
+        if SCATTER_OUT:  # the output rows, read before the K loop: the store does not wait for them
+            orow = gl.load(perm_ptr + rows, mask=rmask, other=0)
+        else:
+            orow = rows
         acc = gl.zeros((HM, BN), gl.float32, mma)
         kt = gl.where(tail, 0, KT)
         if LAG:
@@ -203,13 +234,53 @@ def _consumer(a_smem, w_smem, ready, empty, as_ptr, stride_asm, ws_ptr, stride_w
             mbarrier.arrive(empty.index(it % STAGES), count=1)
             acc = acc + t * scale[:, None]  # contracted to one FMA, as the grouped kernel's tl.fma
             it += 1
-        if SCATTER_OUT:
-            orow = gl.load(perm_ptr + rows, mask=rmask, other=0)
+        _store_tile(acc.to(out_ptr.dtype.element_ty), c_smem, out_ptr, stride_om, out_desc, orow, rmask, row0, row1,
+                    n0, S, N, HALF, SCATTER_OUT, EPILOGUE)
+    if EPILOGUE == 2:
+        tma.store_wait(0)  # the last tile's store has left shared memory before the program ends
+
+
+@gluon.jit
+def _store_rows(vals, out_ptr, stride_om, orow, rmask, n0, N, EPILOGUE: gl.constexpr):
+    """Stores ``vals`` (rows in the MMA layout) into rows ``orow`` of ``out`` where
+    ``rmask``: from the MMA layout (``EPILOGUE`` 0: each store 4 bytes of a row), or
+    through shared memory into 16 bytes per thread of whole rows (1 and 2)."""
+    BN: gl.constexpr = vals.type.shape[1]
+    if EPILOGUE == 0:
+        lay: gl.constexpr = vals.type.layout
+        v = vals
+        r = orow
+        m = rmask
+    else:
+        lay: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [gl.num_warps(), 1], [1, 0])
+        v = gl.convert_layout(vals, lay)
+        r = gl.convert_layout(orow, gl.SliceLayout(1, lay))
+        m = gl.convert_layout(rmask, gl.SliceLayout(1, lay))
+    cols = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, lay))
+    gl.store(out_ptr + r.to(gl.int64)[:, None] * stride_om + cols[None, :], v, mask=m[:, None] & (cols < N)[None, :])
+
+
+@gluon.jit
+def _store_tile(vals, c_smem, out_ptr, stride_om, out_desc, orow, rmask, row0, row1, n0, S, N, HALF: gl.constexpr,
+                SCATTER_OUT: gl.constexpr, EPILOGUE: gl.constexpr):
+    """Stores this warpgroup's half of a tile (``vals``: its rows in the MMA layout,
+    ``orow`` their output rows, ``rmask`` the tile's own).  With ``EPILOGUE`` 2, where
+    every row of the half is the tile's (output rows in place; the half not past its
+    expert's end, or ending at S, where TMA clips), it is staged in shared memory and
+    stored by TMA, asynchronously: the next tile's MMAs start at once.  Otherwise
+    :func:`_store_rows`."""
+    HM: gl.constexpr = vals.type.shape[0]
+    if EPILOGUE == 2 and not SCATTER_OUT:
+        first = row0 + HALF * HM
+        if (first + HM <= row1) | (row1 == S):
+            tma.store_wait(0)  # the previous tile's store has read the staging buffer
+            c_smem.index(HALF).store(vals)
+            fence_async_shared()
+            tma.async_copy_shared_to_global(out_desc, [first, n0], c_smem.index(HALF))
         else:
-            orow = rows
-        cols = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, mma))
-        gl.store(out_ptr + orow.to(gl.int64)[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-                 mask=rmask[:, None] & (cols < N)[None, :])
+            _store_rows(vals, out_ptr, stride_om, orow, rmask, n0, N, EPILOGUE)
+    else:
+        _store_rows(vals, out_ptr, stride_om, orow, rmask, n0, N, EPILOGUE)
 
 
 @gluon.jit
@@ -219,22 +290,29 @@ def _ws_gemm_kernel(
     w_desc,                              # TMA: the (E * N, K) view of w (E, N, K), tiles (128, 128)
     ws_ptr, stride_wse, stride_wsn, stride_wsk,  # weight scale grid (0 strides broadcast)
     out_ptr, stride_om,                  # out (rows, N)
+    out_desc,                            # TMA: out, tiles (64, 128) (EPILOGUE 2; else None)
     perm_ptr,                            # (S,) sorted position -> slot (SCATTER_OUT)
     offsets_ptr,                         # (E,) int32 inclusive cumsum of rows per expert
     S, N, E, KT, num_pid_m,
     BN_SCALE: gl.constexpr, BK_SCALE: gl.constexpr, STATIC: gl.constexpr, SCATTER_OUT: gl.constexpr,
     SCALE_E8M0: gl.constexpr, EP: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, LAG: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, LAG: gl.constexpr, EPILOGUE: gl.constexpr,
 ):
     a_smem, w_smem, ready, empty = ring(a_desc, w_desc, STAGES)
+    # per ring slot, the expert, first row and end row of the tile whose first K step it holds
+    info = gl.allocate_shared_memory(gl.int32, [STAGES, 4], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    if EPILOGUE == 2:  # a staging buffer per consumer warpgroup for its TMA stores
+        c_smem = gl.allocate_shared_memory(out_desc.dtype, [2] + out_desc.block_type.shape, out_desc.layout)
+    else:
+        c_smem = info  # unused
     gl.warp_specialize([
-        (_consumer, (a_smem, w_smem, ready, empty, as_ptr, stride_asm, ws_ptr, stride_wse, stride_wsn, stride_wsk,
-                     out_ptr, stride_om, perm_ptr, offsets_ptr, S, N, E, KT, num_pid_m, 0, STAGES, BN_SCALE, BK_SCALE,
-                     STATIC, SCATTER_OUT, SCALE_E8M0, EP, GROUP_M, LAG)),
-        (_consumer, (a_smem, w_smem, ready, empty, as_ptr, stride_asm, ws_ptr, stride_wse, stride_wsn, stride_wsk,
-                     out_ptr, stride_om, perm_ptr, offsets_ptr, S, N, E, KT, num_pid_m, 1, STAGES, BN_SCALE, BK_SCALE,
-                     STATIC, SCATTER_OUT, SCALE_E8M0, EP, GROUP_M, LAG)),
-        (_producer, (a_desc, w_desc, a_smem, w_smem, ready, empty, offsets_ptr, S, N, E, KT, num_pid_m, EP, GROUP_M,
+        (_consumer, (a_smem, w_smem, ready, empty, info, c_smem, as_ptr, stride_asm, ws_ptr, stride_wse, stride_wsn,
+                     stride_wsk, out_ptr, stride_om, out_desc, perm_ptr, offsets_ptr, S, N, E, KT, num_pid_m, 0,
+                     STAGES, BN_SCALE, BK_SCALE, STATIC, SCATTER_OUT, SCALE_E8M0, EP, GROUP_M, LAG, EPILOGUE)),
+        (_consumer, (a_smem, w_smem, ready, empty, info, c_smem, as_ptr, stride_asm, ws_ptr, stride_wse, stride_wsn,
+                     stride_wsk, out_ptr, stride_om, out_desc, perm_ptr, offsets_ptr, S, N, E, KT, num_pid_m, 1,
+                     STAGES, BN_SCALE, BK_SCALE, STATIC, SCATTER_OUT, SCALE_E8M0, EP, GROUP_M, LAG, EPILOGUE)),
+        (_producer, (a_desc, w_desc, a_smem, w_smem, ready, empty, info, offsets_ptr, S, N, E, KT, num_pid_m, EP, GROUP_M,
                      STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     for j in gl.static_range(STAGES):
@@ -242,6 +320,14 @@ def _ws_gemm_kernel(
         mbarrier.invalidate(empty.index(j))
 
 
+_GL_TYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
+
+
 def shared_layout(block_shape: list[int]):
     """The NVMMA shared layout of an e4m3 tile of ``block_shape`` (what a descriptor carries)."""
     return gl.NVMMASharedLayout.get_default_for(block_shape, gl.float8e4nv)
+
+
+def out_layout(block_shape: list[int], dtype: torch.dtype):
+    """The NVMMA shared layout of an output tile of ``block_shape`` and ``dtype``."""
+    return gl.NVMMASharedLayout.get_default_for(block_shape, _GL_TYPES[dtype])

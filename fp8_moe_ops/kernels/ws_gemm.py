@@ -24,10 +24,14 @@ exposed: that made it slower than the Triton kernel at K = 768, and at K = 2048 
 deepseek_v3's down GEMM in five of eight measured cases.)  The tile map is the grouped
 kernel's: a program finds each tile's (expert, row tile) from the (E,) ``offsets`` (a
 scan of tiles per expert), with ``GROUP_M`` row tiles sharing each weight tile in L2,
-and tiles running at the same time are consecutive.  The consumers scan once per
-program; between two tiles, while the tensor cores wait, they only find the tile's
-expert (one reduction over the scan) and read its two offsets.  The producer scans per
-tile: it runs ahead of them, so that is off their path.  Tiles past the experts' rows (the
+and tiles running at the same time are consecutive.  The producer warp scans once per
+program and finds each tile's expert and rows (one reduction over the scan, two offsets
+read); it leaves them in shared memory beside the tile's first K step, so between two
+tiles the consumers read shared memory, never global memory, before the next MMAs.
+Each consumer stores its half of the tile's output by TMA, from shared memory, where
+the rows are all the tile's and in place (the gate_up GEMM's): the store runs while the
+next tile's MMAs do; scattered rows and a half past its expert's end are stored whole
+rows at a time (``EPILOGUE``).  Tiles past the experts' rows (the
 tail: sentinel slots) run no K step and store zeros, so every output row is written.
 Rows of a tile past its expert's end, and K or N past the matrix, are loaded (TMA fills
 past the tensor with zeros; rows of the next expert are read and discarded) but never
@@ -55,7 +59,7 @@ from ..functional import next_power_of_2
 from .launch import KernelCall
 
 try:  # the Gluon source, written against Triton 3.6's experimental API
-    from .gluon_gemm import TensorDescriptor, _ws_gemm_kernel, shared_layout
+    from .gluon_gemm import TensorDescriptor, _ws_gemm_kernel, out_layout, shared_layout
 except (ImportError, AttributeError) as exc:  # a Triton whose Gluon differs: the Triton kernel runs every GEMM
     _ws_gemm_kernel = None
     logging.getLogger(__name__).info("the Gluon prefill GEMM is unavailable (%s)", exc)
@@ -69,8 +73,12 @@ AVAILABLE = _ws_gemm_kernel is not None and triton.__version__.startswith("3.6."
 TILE = 128  # BM = BN = BK
 STAGES = 4  # ring slots (6 measured no faster on the H200: docs/benchmarks.md)
 CONSUMER_REGS = 232  # registers per consumer thread (setmaxnreg)
-PRODUCER_REGS = 48  # registers per producer thread (its tile map of up to 256 experts fits)
+PRODUCER_REGS = 40  # registers per producer thread (its tile map of up to 256 experts fits;
+# 48 left the default consumer warpgroup 224, and it spilled: 232 each, no spill)
 LAG = True  # consumers take two K steps at a time (measured faster: docs/benchmarks.md)
+# the output store (gluon_gemm._store_tile): 0 from the MMA layout, 1 whole rows through
+# shared memory, 2 TMA where a tile's rows are its own and in place, else as 1
+EPILOGUE = 2
 
 
 @functools.cache
@@ -109,10 +117,10 @@ def usable(device: torch.device, w: torch.Tensor, w_scale: torch.Tensor, block: 
                                                  torch.cuda.current_device()))
 
 
-def tma_ready(q: torch.Tensor) -> bool:
-    """Whether A (rows, K) can be read through a TMA descriptor: unit stride in K, rows
-    and base 16-byte aligned."""
-    return q.stride(1) == 1 and q.stride(0) % 16 == 0 and q.data_ptr() % 16 == 0
+def tma_ready(t: torch.Tensor) -> bool:
+    """Whether a matrix (A, or the output) can be read or written through a TMA
+    descriptor: unit stride in its last dimension, rows and base 16-byte aligned."""
+    return t.stride(1) == 1 and t.stride(0) * t.element_size() % 16 == 0 and t.data_ptr() % 16 == 0
 
 
 def ws_gemm_call(q, q_scale, w, ws, ws_strides, block, out, *, offsets, perm, scatter_out: bool, static: bool,
@@ -128,13 +136,20 @@ def ws_gemm_call(q, q_scale, w, ws, ws_strides, block, out, *, offsets, perm, sc
     w_desc = TensorDescriptor(w, [E * N, K], [K, 1], tile, shared_layout(tile))
     tiles = num_pid_m * triton.cdiv(N, TILE)
     grid = (tiles if max_programs is None else min(tiles, max_programs),)
+    epilogue = EPILOGUE
+    if epilogue == 2 and (scatter_out or not tma_ready(out)):
+        epilogue = 1  # rows scattered, or an output TMA cannot address
+    out_desc = None
+    if epilogue == 2:
+        half = [TILE // 2, TILE]  # each consumer warpgroup stores its half
+        out_desc = TensorDescriptor.from_tensor(out, half, out_layout(half, out.dtype))
     return KernelCall(_ws_gemm_kernel, grid, (
         a_desc, q_scale, q_scale.stride(0) if not static else 0,
         w_desc, ws, *ws_strides,
-        out, out.stride(0),
+        out, out.stride(0), out_desc,
         perm if perm is not None else out, offsets,
         S, N, E, triton.cdiv(K, TILE), num_pid_m,
     ), dict(BN_SCALE=block[0], BK_SCALE=block[1], STATIC=static, SCATTER_OUT=scatter_out, SCALE_E8M0=e8m0,
             EP=max(2, next_power_of_2(E)), GROUP_M=group_m, STAGES=STAGES, CONSUMER_REGS=CONSUMER_REGS,
-            PRODUCER_REGS=PRODUCER_REGS, LAG=LAG),
+            PRODUCER_REGS=PRODUCER_REGS, LAG=LAG, EPILOGUE=epilogue),
         dict(num_warps=4))
