@@ -308,6 +308,28 @@ def test_overlap_probe_compiles_every_form_for_sm90_without_a_gpu():
     assert all(not r["serialised"] and 0 < r["registers"] <= 255 for r in res.values())
 
 
+def test_ws_gemm_limits_variants_still_match_and_compile_for_sm90_without_a_gpu():
+    # each variant edits kernels/gluon_gemm.py's text: every edit must still find its
+    # text (variant_kernel raises otherwise), and two variants compile for sm_90a without spills
+    code = """
+import sys, tempfile; sys.path.insert(0, sys.argv[1])
+import torch, kernel_resources as kr, ws_gemm_limits as L
+from fp8_moe_ops.kernels import ws_gemm
+E, N, K, S = 4, 256, 512, 4096
+w = torch.zeros(E, N, K, dtype=torch.float8_e4m3fn)
+ws = torch.ones(E, 2, 4)
+call = ws_gemm.ws_gemm_call(torch.zeros(S, K, dtype=torch.float8_e4m3fn), torch.ones(S, 4), w, ws, ws.stride(),
+                            (128, 128), torch.empty(S, N, dtype=torch.bfloat16), offsets=torch.ones(E, dtype=torch.int32),
+                            perm=None, scatter_out=False, static=False, e8m0=False, num_pid_m=40, group_m=8,
+                            max_programs=132)
+with tempfile.TemporaryDirectory() as d:
+    kernels = {v: L.variant_kernel(v, d) for v in L.VARIANTS}
+    print({v: kr.resources(call._replace(kernel=kernels[v])) for v in ("no_rescale+no_loads", "no_store")})
+"""
+    res = printed_by_fresh_process(code)
+    assert all(r["kernel"] == "_ws_gemm_kernel" and r["spill_bytes"] == 0 for r in res.values())
+
+
 def test_ncu_summary_keeps_each_kernels_named_metrics(monkeypatch, tmp_path):
     ncu = _load("ncu_layers", monkeypatch)
     head = ('"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size",'
