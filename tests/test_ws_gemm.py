@@ -121,7 +121,7 @@ def test_tma_ready_needs_unit_k_stride_and_16_byte_rows():
     assert not ws_gemm.tma_ready(q.view(-1)[8:8 + 63 * 48].view(63, 48))  # base 8 bytes off
 
 
-def _gemm_call(monkeypatch, S=4096, E=4, N=256, K=512, **kw):
+def _gemm_call(monkeypatch, S=4096, E=4, N=256, K=512, out=None, **kw):
     """``moe._gemm_call`` of a prefill-sized grouped GEMM on CPU tensors, with usable()
     seeing an H200 and told to take every GEMM it can run."""
     _on_fake_hopper(monkeypatch)
@@ -131,7 +131,7 @@ def _gemm_call(monkeypatch, S=4096, E=4, N=256, K=512, **kw):
     w, ws = _weights(E, N, K)
     q, qs = torch.zeros(S, K, dtype=FP8), torch.ones(S, K // 128)
     offsets = torch.arange(1, E + 1, dtype=torch.int32) * (S // E)
-    out = torch.empty(S, N, dtype=torch.bfloat16)
+    out = torch.empty(S, N, dtype=torch.bfloat16) if out is None else out
     return moe._gemm_call(q, qs, w, ws, (128, 128), out, offsets=offsets, **kw)
 
 
@@ -147,6 +147,24 @@ def test_prefill_grouped_gemm_launches_the_ws_kernel(monkeypatch):
     a_desc, w_desc = call.args[0], call.args[3]
     assert list(a_desc.shape) == [4096, 512] and list(w_desc.shape) == [4 * 256, 512]  # (E * N, K) view
     assert a_desc.block_shape == w_desc.block_shape == [128, 128]
+
+
+def test_the_output_is_stored_by_tma_only_where_its_rows_are_in_place(monkeypatch):
+    # EPILOGUE 2 (TMA, with the output's descriptor of half tiles) for an output written in
+    # sorted order; scattered rows, or an output TMA cannot address, are stored whole rows
+    # at a time (1), with no descriptor
+    in_place = _gemm_call(monkeypatch)
+    out_desc = in_place.args[10]
+    assert in_place.constexprs["EPILOGUE"] == 2 and not in_place.constexprs["SCATTER_OUT"]
+    assert isinstance(out_desc, ws_gemm.TensorDescriptor) and out_desc.block_shape == [64, 128]
+    assert list(out_desc.shape) == [4096, 256]
+    scattered = _gemm_call(monkeypatch, perm=torch.arange(4096), scatter_out=True)
+    assert scattered.constexprs["EPILOGUE"] == 1 and scattered.args[10] is None
+    padded = torch.empty(4096, 260, dtype=torch.bfloat16)[:, :256]  # rows 520 bytes apart: not a TMA stride
+    unaligned = _gemm_call(monkeypatch, out=padded)
+    assert unaligned.constexprs["EPILOGUE"] == 1 and unaligned.args[10] is None
+    monkeypatch.setattr(ws_gemm, "EPILOGUE", 0)  # the A/B switch: the store from the MMA layout
+    assert _gemm_call(monkeypatch).constexprs["EPILOGUE"] == 0
 
 
 def test_gathered_or_fused_or_small_gemms_keep_the_triton_kernel(monkeypatch):
