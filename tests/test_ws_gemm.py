@@ -163,6 +163,8 @@ def test_the_output_is_stored_by_tma_only_where_its_rows_are_in_place(monkeypatc
     padded = torch.empty(4096, 260, dtype=torch.bfloat16)[:, :256]  # rows 520 bytes apart: not a TMA stride
     unaligned = _gemm_call(monkeypatch, out=padded)
     assert unaligned.constexprs["EPILOGUE"] == 1 and unaligned.args[10] is None
+    wide = _gemm_call(monkeypatch, out=torch.empty(4096, 256, dtype=torch.float64))  # no staging layout for it
+    assert wide.constexprs["EPILOGUE"] == 1 and wide.args[10] is None
     monkeypatch.setattr(ws_gemm, "EPILOGUE", 0)  # the A/B switch: the store from the MMA layout
     assert _gemm_call(monkeypatch).constexprs["EPILOGUE"] == 0
 
