@@ -12,7 +12,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-__all__ = ["TensorDescriptor", "_ws_gemm_kernel", "load_tile", "ring", "out_layout", "shared_layout"]
+__all__ = ["OUT_TYPES", "TensorDescriptor", "_ws_gemm_kernel", "load_tile", "ring", "out_layout", "shared_layout"]
 
 
 @gluon.jit
@@ -63,9 +63,35 @@ def _tile_rows(pid_m, cum, total, last, offsets_ptr, S, E, BM: gl.constexpr):
     row0 = gl.minimum(gl.load(offsets_ptr + e - 1, mask=e > 0, other=0).to(gl.int32), S) + (pid_m - before) * BM
     row1 = gl.minimum(gl.load(offsets_ptr + e).to(gl.int32), S)
     tail = pid_m >= total
-    row0 = gl.where(tail, last + (pid_m - total) * BM, row0)
+    row0 = gl.where(tail, _tail_row0(pid_m, total, last, BM), row0)
     row1 = gl.where(tail, S, row1)
     return e, row0, row1, tail
+
+
+@gluon.jit
+def _tail_row0(pid_m, total, last, BM: gl.constexpr):
+    """The first row of tail tile ``pid_m``: tail tiles split [last, S) in ``BM`` rows."""
+    return last + (pid_m - total) * BM
+
+
+@gluon.jit
+def _put_tile(info, s, e, row0, row1):
+    """Writes a tile's expert and rows into ``info``'s slot ``s`` (fields 0, 1, 2), every
+    lane the same values; then a barrier, so that the thread which next arrives at the
+    slot's ``ready`` has made the writes its own."""
+    field = gl.arange(0, 4, layout=gl.BlockedLayout([4], [32], [gl.num_warps()], [0]))
+    info.index(s).store(gl.where(field == 0, e, gl.where(field == 1, row0, row1)))
+    gl.thread_barrier()
+
+
+@gluon.jit
+def _get_tile(info, s):
+    """(expert, row0, row1) that :func:`_put_tile` wrote into ``info``'s slot ``s``."""
+    lay: gl.constexpr = gl.BlockedLayout([4], [32], [gl.num_warps()], [0])
+    field = gl.arange(0, 4, layout=lay)
+    v = info.index(s).load(lay)
+    return (gl.sum(gl.where(field == 0, v, 0), 0), gl.sum(gl.where(field == 1, v, 0), 0),
+            gl.sum(gl.where(field == 2, v, 0), 0))
 
 
 @gluon.jit
@@ -144,8 +170,6 @@ def _producer(a_desc, w_desc, a_smem, w_smem, ready, empty, info, offsets_ptr, S
     BN: gl.constexpr = w_desc.block_type.shape[0]
     num_pid_n = gl.cdiv(N, BN)
     num_tiles = num_pid_m * num_pid_n
-    lay: gl.constexpr = gl.BlockedLayout([4], [32], [gl.num_warps()], [0])
-    field = gl.arange(0, 4, layout=lay)
     cum, total, last = _expert_tiles(offsets_ptr, S, E, BM, EP)
     it = 0  # K steps issued by this program, over all its tiles: the ring's position
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
@@ -154,12 +178,11 @@ def _producer(a_desc, w_desc, a_smem, w_smem, ready, empty, info, offsets_ptr, S
         kt = gl.where(tail, 0, KT)
         # the tile's expert and rows, for the consumers, beside its first K step (a tail tile has none: the
         # consumers know it from the tile's index); written once the slot is free, before its loads
-        # announce it (the barrier makes the stores those of the thread that arrives)
+        # announce it
         if kt > 0:
             s = it % STAGES
             mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1, pred=it >= STAGES)
-            info.index(s).store(gl.where(field == 0, e, gl.where(field == 1, row0, row1)))
-            gl.thread_barrier()
+            _put_tile(info, s, e, row0, row1)
         it = load_tile(a_desc, w_desc, a_smem, w_smem, ready, empty, row0, e * N + pid_n * BN, kt, it, STAGES)
 
 
@@ -178,8 +201,6 @@ def _consumer(a_smem, w_smem, ready, empty, info, c_smem, as_ptr, stride_asm, ws
     num_pid_n = gl.cdiv(N, BN)
     num_tiles = num_pid_m * num_pid_n
     it = 0  # K steps consumed by this program, over all its tiles (as the producer counts them)
-    lay: gl.constexpr = gl.BlockedLayout([4], [32], [gl.num_warps()], [0])
-    field = gl.arange(0, 4, layout=lay)
     total, last = _expert_tiles(offsets_ptr, S, E, BM, EP)[1:]
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
@@ -188,10 +209,10 @@ def _consumer(a_smem, w_smem, ready, empty, info, c_smem, as_ptr, stride_asm, ws
         tail = pid_m >= total
         s = it % STAGES
         mbarrier.wait(ready.index(s), (it // STAGES) & 1, pred=~tail)
-        v = info.index(s).load(lay)
-        e = gl.where(tail, 0, gl.sum(gl.where(field == 0, v, 0), 0))
-        row0 = gl.where(tail, last + (pid_m - total) * BM, gl.sum(gl.where(field == 1, v, 0), 0))
-        row1 = gl.where(tail, S, gl.sum(gl.where(field == 2, v, 0), 0))
+        e, row0, row1 = _get_tile(info, s)
+        e = gl.where(tail, 0, e)
+        row0 = gl.where(tail, _tail_row0(pid_m, total, last, BM), row0)
+        row1 = gl.where(tail, S, row1)
         n0 = pid_n * BN
         ws_tile = ws_ptr + e.to(gl.int64) * stride_wse + (n0 // BN_SCALE) * stride_wsn
         rows = row0 + HALF * HM + gl.arange(0, HM, layout=gl.SliceLayout(1, mma))
@@ -320,7 +341,8 @@ def _ws_gemm_kernel(
         mbarrier.invalidate(empty.index(j))
 
 
-_GL_TYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
+# the output dtypes the TMA store stages (ws_gemm stores others whole rows at a time)
+OUT_TYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
 
 
 def shared_layout(block_shape: list[int]):
@@ -330,4 +352,4 @@ def shared_layout(block_shape: list[int]):
 
 def out_layout(block_shape: list[int], dtype: torch.dtype):
     """The NVMMA shared layout of an output tile of ``block_shape`` and ``dtype``."""
-    return gl.NVMMASharedLayout.get_default_for(block_shape, _GL_TYPES[dtype])
+    return gl.NVMMASharedLayout.get_default_for(block_shape, OUT_TYPES[dtype])

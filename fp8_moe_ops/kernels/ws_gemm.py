@@ -59,7 +59,7 @@ from ..functional import next_power_of_2
 from .launch import KernelCall
 
 try:  # the Gluon source, written against Triton 3.6's experimental API
-    from .gluon_gemm import TensorDescriptor, _ws_gemm_kernel, out_layout, shared_layout
+    from .gluon_gemm import OUT_TYPES, TensorDescriptor, _ws_gemm_kernel, out_layout, shared_layout
 except (ImportError, AttributeError) as exc:  # a Triton whose Gluon differs: the Triton kernel runs every GEMM
     _ws_gemm_kernel = None
     logging.getLogger(__name__).info("the Gluon prefill GEMM is unavailable (%s)", exc)
@@ -79,7 +79,6 @@ LAG = True  # consumers take two K steps at a time (measured faster: docs/benchm
 # the output store (gluon_gemm._store_tile): 0 from the MMA layout, 1 whole rows through
 # shared memory, 2 TMA where a tile's rows are its own and in place, else as 1
 EPILOGUE = 2
-_TMA_OUT_TYPES = (torch.bfloat16, torch.float16, torch.float32)  # outputs the TMA store takes
 
 
 @functools.cache
@@ -138,7 +137,7 @@ def ws_gemm_call(q, q_scale, w, ws, ws_strides, block, out, *, offsets, perm, sc
     tiles = num_pid_m * triton.cdiv(N, TILE)
     grid = (tiles if max_programs is None else min(tiles, max_programs),)
     epilogue = EPILOGUE
-    if epilogue == 2 and (scatter_out or not tma_ready(out) or out.dtype not in _TMA_OUT_TYPES):
+    if epilogue == 2 and (scatter_out or not tma_ready(out) or out.dtype not in OUT_TYPES):
         epilogue = 1  # rows scattered, or an output TMA cannot address
     out_desc = None
     if epilogue == 2:
