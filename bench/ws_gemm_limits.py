@@ -35,6 +35,7 @@ run's TFLOP/s per GEMM and variant, cuBLAS's block-scaled rate beside them.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import inspect
 import os
@@ -97,9 +98,11 @@ STORES = {"store_mma": 0, "store_rows": 1}  # variants of ws_gemm.EPILOGUE
 VARIANTS = ("shipped", *STORES, "no_rescale", "no_loads", "no_rescale+no_loads", "no_store")
 
 
+@functools.cache
 def variant_kernel(variant: str, workdir: str):
     """The Gluon kernel of ``variant``: ``kernels/gluon_gemm.py``'s source with the
-    variant's edits, loaded as a module of its own (the JIT reads its source file)."""
+    variant's edits, loaded as a module of its own (the JIT reads its source file); one
+    module per variant and run, so each compiles once per specialisation."""
     if variant == "shipped" or variant in STORES:
         return gluon_gemm._ws_gemm_kernel
     source = inspect.getsource(gluon_gemm)
