@@ -3,13 +3,14 @@ each leave one part of the work out.
 
     PYTHONPATH=. python bench/ws_gemm_limits.py --out-dir OUT [--cases "deepseek_v3:8192;qwen3_30b_a3b:16384"]
         [--variants shipped,store_mma,store_rows,no_rescale,no_loads,no_rescale+no_loads,no_store]
+        [--routing even|uniform]
     python bench/ws_gemm_limits.py --plot OUT/ws_gemm_limits.json --png FIGURE.png   # no GPU; needs matplotlib
 
 For the gate_up (N = 2I, K = H) and down (N = H, K = I) GEMMs of each case (M = T * top_k
-rows, spread evenly over the E experts, activations already sorted and quantised,
-dynamic scales), it times ``kernels/gluon_gemm.py``'s kernel launched as the op launches
-it (``ws_gemm.ws_gemm_call``: one program per SM), and copies of that source with one
-edit each, compiled beside it:
+rows, activations already sorted and quantised, dynamic scales), it times
+``kernels/gluon_gemm.py``'s kernel launched as the op launches it
+(``ws_gemm.ws_gemm_call``: one program per SM), and copies of that source with one edit
+each, compiled beside it:
 
 * ``store_mma`` / ``store_rows``: the shipped kernel with its output stored from the MMA
   layout (``ws_gemm.EPILOGUE`` 0) / as whole rows through shared memory (1), not by TMA;
@@ -22,6 +23,11 @@ edit each, compiled beside it:
 * ``no_store``: no output written: the TMA store never chosen, the row store
   predicated off (its layout conversion and address arithmetic stay);
 * ``a+b``: both edits.
+
+The rows are spread over the E experts evenly (``--routing even``: M / E each, whole
+tiles where that is a multiple of 128), or as the layer benchmarks route them
+(``uniform``: the per-expert counts of ``common.make_routing``, so experts' last tiles
+are partly empty, as in a layer).
 
 Only ``shipped`` and the two stores compute the product; the variants' outputs are meaningless by design
 (the GPU tests check the shipped kernel against the reference).  Beside them, in the
@@ -44,8 +50,8 @@ import tempfile
 
 import torch
 
-from common import (MODELS, ExperimentConfig, Runner, log, make_weights, markdown_table, parse_sweep, read_json,
-                    time_ms)
+from common import (MODELS, ExperimentConfig, Runner, log, make_routing, make_weights, markdown_table, parse_sweep,
+                    read_json, time_ms)
 from fp8_moe_ops.kernels import gluon_gemm, ws_gemm
 from gemm_ceiling import FP8, dense_blockwise, dense_tensorwise
 
@@ -96,6 +102,7 @@ _EDITS = {
 }
 STORES = {"store_mma": 0, "store_rows": 1}  # variants of ws_gemm.EPILOGUE
 VARIANTS = ("shipped", *STORES, "no_rescale", "no_loads", "no_rescale+no_loads", "no_store")
+ROUTINGS = ("even", "uniform")
 
 
 @functools.cache
@@ -120,15 +127,22 @@ def variant_kernel(variant: str, workdir: str):
     return module._ws_gemm_kernel
 
 
-def run_shape(runner: Runner, model, T: int, proj: str, N: int, K: int, variants, workdir: str, gen) -> None:
+def run_shape(runner: Runner, model, T: int, proj: str, N: int, K: int, variants, workdir: str, gen,
+              routing: str = "even") -> None:
     M = T * model.top_k
     rows = M // model.E
-    params = (("proj", proj), ("M", M), ("N", N), ("K", K), ("rows_per_expert", rows))
+    if routing == "even":
+        offsets = torch.arange(1, model.E + 1, device="cuda", dtype=torch.int32) * rows
+    else:  # the layer benchmarks' routing: one expert-id draw per shape
+        ids = make_routing(T, model.E, model.top_k, routing, gen)[0]
+        offsets = torch.bincount(ids.flatten(), minlength=model.E).cumsum(0).to(torch.int32)
+    counts = offsets.diff(prepend=offsets.new_zeros(1))
+    params = (("proj", proj), ("M", M), ("N", N), ("K", K), ("rows_per_expert", rows), ("routing", routing),
+              ("row_tiles", int(((counts + 127) // 128).sum())))  # of 128 rows, each within one expert
     flops = 2 * M * N * K
     w, ws = make_weights(model.E, N, K, gen)
     a = (torch.randn(M, K, device="cuda", generator=gen, dtype=torch.bfloat16) * 32).to(FP8)
     sa = torch.rand(M, -(-K // 128), device="cuda", generator=gen) * 2e-3 + 1e-3
-    offsets = torch.arange(1, model.E + 1, device="cuda", dtype=torch.int32) * rows
     out = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
 
     def make_call(variant):
@@ -171,10 +185,11 @@ def table(runner: Runner, variants) -> str:
     for r in runner.results:
         f = r.flat()
         row = rows.setdefault((f["model"], f["tokens"], f["proj"]), {
-            k: f[k] for k in ("model", "tokens", "proj", "M", "N", "K", "rows_per_expert")})
+            k: f[k] for k in ("model", "tokens", "proj", "M", "N", "K", "rows_per_expert", "routing", "row_tiles")})
         row[f["variant"]] = None if r.error else f["tflops"]
     columns = [("model", "model", ""), ("T", "tokens", ""), ("GEMM", "proj", ""), ("M", "M", ""), ("N", "N", ""),
-               ("K", "K", ""), ("rows/expert", "rows_per_expert", ""),
+               ("K", "K", ""), ("rows/expert", "rows_per_expert", ""), ("routing", "routing", ""),
+               ("row tiles", "row_tiles", ""),
                ("cuBLAS dense block-scaled", "dense_blockwise", ".0f"),
                ("cuBLAS dense tensorwise", "dense_tensorwise", ".0f")]
     columns += [(v, v, ".0f") for v in variants]
@@ -215,6 +230,7 @@ def main() -> int:
     ap.add_argument("--out-dir", default=None)
     ap.add_argument("--cases", default=None, help='e.g. "deepseek_v3:8192;qwen3_30b_a3b:16384"')
     ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--routing", default="even", choices=ROUTINGS, help="rows per expert: M / E each, or routed")
     ap.add_argument("--plot", default=None, help="a run's JSON to draw (no GPU needed), with --png")
     ap.add_argument("--png", default=None, help="the figure --plot writes")
     args = ap.parse_args()
@@ -226,7 +242,8 @@ def main() -> int:
     variants = args.variants.split(",")
     unknown = [v for v in variants if v not in ("shipped", *STORES) and not set(v.split("+")) <= set(_EDITS)]
     if unknown:
-        ap.error(f"--variants: unknown {unknown}; expected shipped, {', '.join(STORES)} or any of {sorted(_EDITS)} joined by '+'")
+        ap.error(f"--variants: unknown {unknown}; expected shipped, {', '.join(STORES)} or any of {sorted(_EDITS)} "
+                 "joined by '+'")
     if not torch.cuda.is_available() or not ws_gemm.AVAILABLE:
         print("ws_gemm_limits: needs a CUDA GPU and Triton 3.6's Gluon", file=sys.stderr)
         return 1
@@ -238,7 +255,7 @@ def main() -> int:
             for T in tokens:
                 for proj, N, K in (("gate_up", 2 * model.I, model.H), ("down", model.H, model.I)):
                     log(f"{name} T={T} {proj}")
-                    run_shape(runner, model, T, proj, N, K, variants, workdir, gen)
+                    run_shape(runner, model, T, proj, N, K, variants, workdir, gen, args.routing)
                     torch.cuda.empty_cache()  # the shape's tensors, freed on return
     runner.save(table(runner, variants))
     return runner.exit_code()
