@@ -1,7 +1,7 @@
 """Prefill layers with and without the Hopper GEMM kernel (``fp8_moe_ops/kernels/ws_gemm.py``).
 
     PYTHONPATH=. python bench/ws_gemm_ab.py --out-dir OUT [--cases "deepseek_v3:4096,8192;..."]
-        [--ways triton,ws,ws_tiles,ws_down_only,ws_mid,ws_col,ws_nolag,ws_store_mma,ws_store_rows,shipped]
+        [--ways triton,ws,ws_tiles,ws_down_only,ws_mid,ws_col,ws_nolag,ws_narrow,ws_store_mma,ws_store_rows,shipped]
 
 For every case (model, T, dynamic / static activation scales, uniform routing) one
 process times ``torch.ops.fp8_moe.grouped_experts`` several ways, on the same inputs:
@@ -20,6 +20,8 @@ process times ``torch.ops.fp8_moe.grouped_experts`` several ways, on the same in
   column tiles in a row) instead of the table's 8;
 * ``ws_nolag``: as ``shipped`` with the Gluon kernel's ``LAG`` off (each consumer
   warpgroup waits for a K step's MMAs before it issues the next step's);
+* ``ws_narrow``: as ``shipped`` with the Gluon kernel's ``WIDE`` off (output tiles of
+  128 x 128 everywhere, not 128 x 256 where N is a multiple of 256);
 * ``ws_store_mma`` / ``ws_store_rows``: as ``shipped`` with the Gluon kernel's output
   stored from the MMA layout (``EPILOGUE`` 0: 4 bytes of a row per store, its form
   before the TMA store) / as whole rows through shared memory everywhere (1: no TMA);
@@ -52,9 +54,9 @@ from fp8_moe_ops.kernels import config, experts, ws_gemm
 
 CASES = {"deepseek_v3": [4096, 8192, 16384], "qwen3_30b_a3b": [4096, 8192, 16384],
          "mixtral_8x7b": [2048, 4096, 16384]}
-WAYS = ("triton", "ws", "ws_tiles", "ws_down_only", "ws_mid", "ws_col", "ws_nolag", "ws_store_mma", "ws_store_rows",
-        "shipped")
-SHIPPED_LIKE = ("shipped", "ws_nolag", "ws_store_mma", "ws_store_rows")  # the launch table decides
+WAYS = ("triton", "ws", "ws_tiles", "ws_down_only", "ws_mid", "ws_col", "ws_nolag", "ws_narrow", "ws_store_mma",
+        "ws_store_rows", "shipped")
+SHIPPED_LIKE = ("shipped", "ws_nolag", "ws_narrow", "ws_store_mma", "ws_store_rows")  # the launch table decides
 
 
 @contextlib.contextmanager
@@ -62,7 +64,7 @@ def _way(way: str):
     """The environment switch, the gate_up GEMM's A and the Gluon kernel's GROUP_M and
     programs of one way."""
     real_call, real_sorted, real_table = ws_gemm.ws_gemm_call, experts._sorted_a, config._table
-    real_lag, real_epilogue = ws_gemm.LAG, ws_gemm.EPILOGUE
+    real_lag, real_epilogue, real_wide = ws_gemm.LAG, ws_gemm.EPILOGUE, ws_gemm.WIDE
     if way not in SHIPPED_LIKE:
         os.environ["FP8_MOE_GLUON"] = "0" if way == "triton" else "1"
     if way == "ws_col":
@@ -71,6 +73,8 @@ def _way(way: str):
         ws_gemm.ws_gemm_call = lambda *a, **kw: real_call(*a, **{**kw, "max_programs": None})
     if way == "ws_nolag":
         ws_gemm.LAG = False
+    if way == "ws_narrow":
+        ws_gemm.WIDE = False
     if way in ("ws_store_mma", "ws_store_rows"):
         ws_gemm.EPILOGUE = 0 if way == "ws_store_mma" else 1
     if way == "ws_down_only":
@@ -89,7 +93,7 @@ def _way(way: str):
     finally:
         os.environ.pop("FP8_MOE_GLUON", None)
         ws_gemm.ws_gemm_call, experts._sorted_a, config._table = real_call, real_sorted, real_table
-        ws_gemm.LAG, ws_gemm.EPILOGUE = real_lag, real_epilogue
+        ws_gemm.LAG, ws_gemm.EPILOGUE, ws_gemm.WIDE = real_lag, real_epilogue, real_wide
 
 
 def kernel_ms(fn, calls: int = 10) -> dict:

@@ -2,7 +2,7 @@
 each leave one part of the work out.
 
     PYTHONPATH=. python bench/ws_gemm_limits.py --out-dir OUT [--cases "deepseek_v3:8192;qwen3_30b_a3b:16384"]
-        [--variants shipped,store_mma,store_rows,no_rescale,no_loads,no_rescale+no_loads,no_store]
+        [--variants shipped,store_mma,store_rows,narrow,no_rescale,no_loads,no_rescale+no_loads,no_store]
         [--routing even|uniform]
     python bench/ws_gemm_limits.py --plot OUT/ws_gemm_limits.json --png FIGURE.png   # no GPU; needs matplotlib
 
@@ -14,6 +14,11 @@ each, compiled beside it:
 
 * ``store_mma`` / ``store_rows``: the shipped kernel with its output stored from the MMA
   layout (``ws_gemm.EPILOGUE`` 0) / as whole rows through shared memory (1), not by TMA;
+* ``narrow``: the shipped kernel with output tiles of 128 x 128 (``ws_gemm.WIDE`` off)
+  where it would take 128 x 256;
+
+The edits below are made to the K loop of 128 x 128 tiles: these variants run with
+``WIDE`` off, so they compare with ``narrow``.
 
 * ``no_rescale``: each K step's MMAs accumulate in place (``use_acc``) and no scale is
   read or multiplied: the bare block GEMM over the same ring and tile map;
@@ -29,7 +34,7 @@ tiles where that is a multiple of 128), or as the layer benchmarks route them
 (``uniform``: the per-expert counts of ``common.make_routing``, so experts' last tiles
 are partly empty, as in a layer).
 
-Only ``shipped`` and the two stores compute the product; the variants' outputs are meaningless by design
+Only ``shipped``, the two stores and ``narrow`` compute the product; the variants' outputs are meaningless by design
 (the GPU tests check the shipped kernel against the reference).  Beside them, in the
 same run, the dense cuBLAS rates at the same M, N, K (``gemm_ceiling.py``'s block-scaled
 and tensorwise calls).  Times are medians of back-to-back launches
@@ -61,31 +66,31 @@ CASES = {"deepseek_v3": [8192], "qwen3_30b_a3b": [16384]}
 _EDITS = {
     "no_rescale": [
         ("use_acc=False, is_async=True)", "use_acc=True, is_async=True)"),
-        ("""                scale0 = _step_scale(i, BK, BK_SCALE, ws_tile, stride_wsk, as_row, rmask, a_s, STATIC, SCALE_E8M0)
-                scale1 = _step_scale(i + 1, BK, BK_SCALE, ws_tile, stride_wsk, as_row, rmask, a_s, STATIC,
-                                     SCALE_E8M0)
-                t0 = _start_mma(a_smem, w_smem, ready, it, zero, HALF, STAGES)
-                t1 = _start_mma(a_smem, w_smem, ready, it + 1, zero, HALF, STAGES)
-                t0 = warpgroup_mma_wait(num_outstanding=1, deps=(t0, ))
+        ("""                    scale0 = _step_scale(i, BK, BK_SCALE, ws_tile, stride_wsk, as_row, rmask, a_s, STATIC, SCALE_E8M0)
+                    scale1 = _step_scale(i + 1, BK, BK_SCALE, ws_tile, stride_wsk, as_row, rmask, a_s, STATIC,
+                                         SCALE_E8M0)
+                    t0 = _start_mma(a_smem, w_smem, ready, it, zero, HALF, STAGES)
+                    t1 = _start_mma(a_smem, w_smem, ready, it + 1, zero, HALF, STAGES)
+                    t0 = warpgroup_mma_wait(num_outstanding=1, deps=(t0, ))
+                    mbarrier.arrive(empty.index(it % STAGES), count=1)
+                    acc = acc + t0 * scale0[:, None]
+                    t1 = warpgroup_mma_wait(num_outstanding=0, deps=(t1, ))
+                    mbarrier.arrive(empty.index((it + 1) % STAGES), count=1)
+                    acc = acc + t1 * scale1[:, None]
+""", """                    acc = _start_mma(a_smem, w_smem, ready, it, acc, HALF, STAGES)
+                    acc = _start_mma(a_smem, w_smem, ready, it + 1, acc, HALF, STAGES)
+                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+                    mbarrier.arrive(empty.index(it % STAGES), count=1)
+                    mbarrier.arrive(empty.index((it + 1) % STAGES), count=1)
+"""),
+        ("""                scale = _step_scale(i, BK, BK_SCALE, ws_tile, stride_wsk, as_row, rmask, a_s, STATIC, SCALE_E8M0)
+                t = _start_mma(a_smem, w_smem, ready, it, zero, HALF, STAGES)
+                t = warpgroup_mma_wait(num_outstanding=0, deps=(t, ))
                 mbarrier.arrive(empty.index(it % STAGES), count=1)
-                acc = acc + t0 * scale0[:, None]
-                t1 = warpgroup_mma_wait(num_outstanding=0, deps=(t1, ))
-                mbarrier.arrive(empty.index((it + 1) % STAGES), count=1)
-                acc = acc + t1 * scale1[:, None]
+                acc = acc + t * scale[:, None]  # contracted to one FMA, as the grouped kernel's tl.fma
 """, """                acc = _start_mma(a_smem, w_smem, ready, it, acc, HALF, STAGES)
-                acc = _start_mma(a_smem, w_smem, ready, it + 1, acc, HALF, STAGES)
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
                 mbarrier.arrive(empty.index(it % STAGES), count=1)
-                mbarrier.arrive(empty.index((it + 1) % STAGES), count=1)
-"""),
-        ("""            scale = _step_scale(i, BK, BK_SCALE, ws_tile, stride_wsk, as_row, rmask, a_s, STATIC, SCALE_E8M0)
-            t = _start_mma(a_smem, w_smem, ready, it, zero, HALF, STAGES)
-            t = warpgroup_mma_wait(num_outstanding=0, deps=(t, ))
-            mbarrier.arrive(empty.index(it % STAGES), count=1)
-            acc = acc + t * scale[:, None]  # contracted to one FMA, as the grouped kernel's tl.fma
-""", """            acc = _start_mma(a_smem, w_smem, ready, it, acc, HALF, STAGES)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-            mbarrier.arrive(empty.index(it % STAGES), count=1)
 """),
     ],
     "no_loads": [
@@ -101,7 +106,8 @@ _EDITS = {
     ],
 }
 STORES = {"store_mma": 0, "store_rows": 1}  # variants of ws_gemm.EPILOGUE
-VARIANTS = ("shipped", *STORES, "no_rescale", "no_loads", "no_rescale+no_loads", "no_store")
+EXACT = (*STORES, "narrow")  # variants of the launch alone: the shipped kernel, its product
+VARIANTS = ("shipped", *EXACT, "no_rescale", "no_loads", "no_rescale+no_loads", "no_store")
 ROUTINGS = ("even", "uniform")
 
 
@@ -110,7 +116,7 @@ def variant_kernel(variant: str, workdir: str):
     """The Gluon kernel of ``variant``: ``kernels/gluon_gemm.py``'s source with the
     variant's edits, loaded as a module of its own (the JIT reads its source file); one
     module per variant and run, so each compiles once per specialisation."""
-    if variant == "shipped" or variant in STORES:
+    if variant == "shipped" or variant in EXACT:
         return gluon_gemm._ws_gemm_kernel
     source = inspect.getsource(gluon_gemm)
     for part in variant.split("+"):
@@ -146,15 +152,16 @@ def run_shape(runner: Runner, model, T: int, proj: str, N: int, K: int, variants
     out = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
 
     def make_call(variant):
-        real = ws_gemm.EPILOGUE
+        real, real_wide = ws_gemm.EPILOGUE, ws_gemm.WIDE
         ws_gemm.EPILOGUE = STORES.get(variant, real)
+        ws_gemm.WIDE = real_wide and variant in ("shipped", *STORES)  # the edits are to the narrow K loop
         try:
             return ws_gemm.ws_gemm_call(a, sa, w, ws, ws.stride(), (128, 128), out, offsets=offsets, perm=None,
                                         scatter_out=False, static=False, e8m0=False,
                                         num_pid_m=-(-M // 128) + model.E, group_m=8,
                                         max_programs=ws_gemm.programs(out.device))
         finally:
-            ws_gemm.EPILOGUE = real
+            ws_gemm.EPILOGUE, ws_gemm.WIDE = real, real_wide
 
     def config(variant):
         return ExperimentConfig("ws_gemm_limits", model.name, T, variant, params=params)
@@ -167,7 +174,7 @@ def run_shape(runner: Runner, model, T: int, proj: str, N: int, K: int, variants
             kernel[call.grid](*call.args, **call.constexprs, **call.options)
         ms = time_ms(launch)
         res = {"ms": ms, "tflops": flops / ms / 1e9}
-        if variant in STORES:  # the same product as shipped's, bitwise
+        if variant in EXACT:  # the same product as shipped's, bitwise
             res["equals_shipped"] = bool(torch.equal(out, reference))
         return res
 
@@ -193,7 +200,7 @@ def table(runner: Runner, variants) -> str:
                ("cuBLAS dense block-scaled", "dense_blockwise", ".0f"),
                ("cuBLAS dense tensorwise", "dense_tensorwise", ".0f")]
     columns += [(v, v, ".0f") for v in variants]
-    return "TFLOP/s (2 M N K / time; only `shipped` and the two stores compute the product)\n\n" + markdown_table(list(rows.values()),
+    return "TFLOP/s (2 M N K / time; only `shipped`, the two stores and `narrow` compute the product)\n\n" + markdown_table(list(rows.values()),
                                                                                               columns)
 
 
@@ -240,9 +247,9 @@ def main() -> int:
         plot(args.plot, args.png)
         return 0
     variants = args.variants.split(",")
-    unknown = [v for v in variants if v not in ("shipped", *STORES) and not set(v.split("+")) <= set(_EDITS)]
+    unknown = [v for v in variants if v not in ("shipped", *EXACT) and not set(v.split("+")) <= set(_EDITS)]
     if unknown:
-        ap.error(f"--variants: unknown {unknown}; expected shipped, {', '.join(STORES)} or any of {sorted(_EDITS)} "
+        ap.error(f"--variants: unknown {unknown}; expected shipped, {', '.join(EXACT)} or any of {sorted(_EDITS)} "
                  "joined by '+'")
     if not torch.cuda.is_available() or not ws_gemm.AVAILABLE:
         print("ws_gemm_limits: needs a CUDA GPU and Triton 3.6's Gluon", file=sys.stderr)

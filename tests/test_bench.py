@@ -318,6 +318,7 @@ from fp8_moe_ops.kernels import ws_gemm
 E, N, K, S = 4, 256, 512, 4096
 w = torch.zeros(E, N, K, dtype=torch.float8_e4m3fn)
 ws = torch.ones(E, 2, 4)
+ws_gemm.WIDE = False  # the edits are to the K loop of 128 x 128 tiles: the variants run it
 call = ws_gemm.ws_gemm_call(torch.zeros(S, K, dtype=torch.float8_e4m3fn), torch.ones(S, 4), w, ws, ws.stride(),
                             (128, 128), torch.empty(S, N, dtype=torch.bfloat16), offsets=torch.ones(E, dtype=torch.int32),
                             perm=None, scatter_out=False, static=False, e8m0=False, num_pid_m=40, group_m=8,

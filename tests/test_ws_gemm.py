@@ -136,17 +136,35 @@ def _gemm_call(monkeypatch, S=4096, E=4, N=256, K=512, out=None, **kw):
 
 
 def test_prefill_grouped_gemm_launches_the_ws_kernel(monkeypatch):
-    call = _gemm_call(monkeypatch, perm=torch.arange(4096), scatter_out=True)
+    call = _gemm_call(monkeypatch, N=384, perm=torch.arange(4096), scatter_out=True)
     assert call.kernel is ws_gemm._ws_gemm_kernel
     tiles_m = max_row_tiles(4096, 4, 128, True)
     assert call.args[-1] == tiles_m  # num_pid_m: the tile map's bound
-    assert call.grid == (tiles_m * 2,)  # fewer tiles than SMs: one program per tile
-    wide = _gemm_call(monkeypatch, N=1024, perm=torch.arange(4096), scatter_out=True)
-    assert tiles_m * 8 > 132 and wide.grid == (132,)  # persistent: one program per SM, every 132nd tile each
+    assert call.grid == (tiles_m * 3,)  # fewer tiles than SMs: one program per tile
+    many = _gemm_call(monkeypatch, N=1024, perm=torch.arange(4096), scatter_out=True)
+    assert tiles_m * 4 > 132 and many.grid == (132,)  # persistent: one program per SM, every 132nd tile each
     assert call.constexprs["SCATTER_OUT"] and not call.constexprs["STATIC"]
     a_desc, w_desc = call.args[0], call.args[3]
-    assert list(a_desc.shape) == [4096, 512] and list(w_desc.shape) == [4 * 256, 512]  # (E * N, K) view
-    assert a_desc.block_shape == w_desc.block_shape == [128, 128]
+    assert list(a_desc.shape) == [4096, 512] and list(w_desc.shape) == [4 * 384, 512]  # (E * N, K) view
+    assert a_desc.block_shape == w_desc.block_shape == [128, 128]  # N = 384: not a whole number of wide tiles
+    assert call.constexprs["WN"] == 1 and call.constexprs["LAG"] == ws_gemm.LAG
+    assert call.constexprs["STAGES"] == ws_gemm.STAGES
+
+
+def test_wide_tiles_where_n_is_a_multiple_of_256_and_the_output_2_bytes(monkeypatch):
+    # 128 x 256 output tiles: the weight tile twice as wide, half the column tiles, a
+    # shallower ring, one MMA in flight per warpgroup (no LAG)
+    call = _gemm_call(monkeypatch, N=512)
+    assert call.grid == (call.args[-1] * 2,) and call.args[3].block_shape == [256, 128]  # num_pid_m x 2
+    assert call.args[0].block_shape == [128, 128] and call.args[10].block_shape == [64, 128]  # A; a store
+    assert call.constexprs["WN"] == 2 and not call.constexprs["LAG"]
+    assert call.constexprs["STAGES"] == ws_gemm.WIDE_STAGES
+    for narrow in (_gemm_call(monkeypatch, N=640),  # 640 = 2.5 x 256
+                   _gemm_call(monkeypatch, N=512, out=torch.empty(4096, 512, dtype=torch.float32))):
+        assert narrow.constexprs["WN"] == 1 and narrow.args[3].block_shape == [128, 128]
+    assert _gemm_call(monkeypatch, N=512, K=ws_gemm.WIDE_MAX_K + 128).constexprs["WN"] == 1  # long K: narrow
+    monkeypatch.setattr(ws_gemm, "WIDE", False)  # the A/B switch
+    assert _gemm_call(monkeypatch, N=512).constexprs["WN"] == 1
 
 
 def test_the_output_is_stored_by_tma_only_where_its_rows_are_in_place(monkeypatch):
@@ -183,12 +201,13 @@ def test_ws_kernel_compiles_for_sm90_without_a_gpu():
 import sys; sys.path.insert(0, sys.argv[1])
 import torch, kernel_resources as kr
 from fp8_moe_ops.kernels import ws_gemm
-res = []  # with and without the two-step overlap
-for static, e8m0, scatter, lag in [(False, False, True, True), (True, False, True, False), (False, True, False, True),
-                                   (False, False, False, False)]:
-    E, N, K, S = 4, 256, 512, 4096
+res = []  # with and without the two-step overlap (N = 384), and wide tiles (N = 256)
+for static, e8m0, scatter, lag, N in [(False, False, True, True, 384), (True, False, True, False, 384),
+                                      (False, True, False, True, 384), (False, False, False, False, 384),
+                                      (False, False, True, True, 256), (True, True, False, True, 256)]:
+    E, K, S = 4, 512, 4096
     w = torch.zeros(E, N, K, dtype=torch.float8_e4m3fn)
-    ws = torch.ones(E, 2, 4, dtype=torch.uint8 if e8m0 else torch.float32)
+    ws = torch.ones(E, N // 128, 4, dtype=torch.uint8 if e8m0 else torch.float32)
     q = torch.zeros(S, K, dtype=torch.float8_e4m3fn)
     qs = torch.ones(E) if static else torch.ones(S, 4)
     ws_gemm.LAG = lag
@@ -199,8 +218,10 @@ for static, e8m0, scatter, lag in [(False, False, True, True), (True, False, Tru
 print(res)
 """
     res = printed_by_fresh_process(code)
-    assert len(res) == 4
-    for r in res:
+    assert len(res) == 6
+    for i, r in enumerate(res):
         assert r["kernel"] == "_ws_gemm_kernel" and r["warps"] == 4
-        assert 0 < r["registers"] <= 255 and r["spill_bytes"] == 0
+        # wide tiles with scattered rows spill a few per-tile values (their SASS, checked
+        # offline: stored before the K loop, reloaded at the store; none inside the loop)
+        assert 0 < r["registers"] <= 255 and r["spill_bytes"] <= (64 if i == 4 else 0)
         assert r["shared_bytes"] >= ws_gemm.STAGES * 2 * 128 * 128  # the ring of A and weight tiles

@@ -106,27 +106,38 @@ def _weight_scale(ptr, SCALE_E8M0: gl.constexpr):
 
 
 @gluon.jit
+def _act_scale(kg, as_row, rmask, a_s, STATIC: gl.constexpr):
+    """The rows' activation scales of K group ``kg``: their own, or ``a_s`` (the
+    expert's) when static."""
+    if STATIC:
+        return a_s
+    else:
+        return gl.load(as_row + kg, mask=rmask, other=0.0)
+
+
+@gluon.jit
 def _step_scale(i, BK: gl.constexpr, BK_SCALE: gl.constexpr, ws_tile, stride_wsk, as_row, rmask, a_s,
                 STATIC: gl.constexpr, SCALE_E8M0: gl.constexpr):
     """K step ``i``'s rescale of the tile's rows: activation scale (per row, or ``a_s``,
     the expert's, when static) times the tile's weight scale."""
     kg = (i * BK) // BK_SCALE
-    w_s = _weight_scale(ws_tile + kg * stride_wsk, SCALE_E8M0)
-    if STATIC:
-        return a_s * w_s
-    else:
-        return gl.load(as_row + kg, mask=rmask, other=0.0) * w_s
+    return _act_scale(kg, as_row, rmask, a_s, STATIC) * _weight_scale(ws_tile + kg * stride_wsk, SCALE_E8M0)
 
 
 @gluon.jit
-def _start_mma(a_smem, w_smem, ready, it, zero, HALF: gl.constexpr, STAGES: gl.constexpr):
+def _start_mma(a_smem, w_smem, ready, it, zero, HALF: gl.constexpr, STAGES: gl.constexpr, COL: gl.constexpr = 0,
+               WN: gl.constexpr = 1):
     """Waits for ring position ``it``'s tiles to arrive and starts the MMAs of this
-    warpgroup's half of the rows on them (asynchronous: the caller waits for them, then
-    releases the slot)."""
+    warpgroup's half of the rows on them, with block ``COL`` of the weight tile's ``WN``
+    blocks of columns (asynchronous: the caller waits for them, then releases the slot)."""
     HM: gl.constexpr = a_smem.type.shape[1] // 2
+    BN: gl.constexpr = w_smem.type.shape[1] // WN
     s = it % STAGES
     mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-    return warpgroup_mma(a_smem.index(s).slice(HALF * HM, HM, dim=0), w_smem.index(s).permute((1, 0)), zero,
+    w = w_smem.index(s)
+    if WN > 1:  # a wide weight tile: one block of its rows (the output's columns)
+        w = w.slice(COL * BN, BN, dim=0)
+    return warpgroup_mma(a_smem.index(s).slice(HALF * HM, HM, dim=0), w.permute((1, 0)), zero,
                          use_acc=False, is_async=True)
 
 
@@ -191,17 +202,20 @@ def _consumer(a_smem, w_smem, ready, empty, info, c_smem, as_ptr, stride_asm, ws
               out_ptr, stride_om, out_desc, perm_ptr, offsets_ptr, S, N, E, KT, num_pid_m, HALF: gl.constexpr,
               STAGES: gl.constexpr, BN_SCALE: gl.constexpr, BK_SCALE: gl.constexpr, STATIC: gl.constexpr,
               SCATTER_OUT: gl.constexpr, SCALE_E8M0: gl.constexpr, EP: gl.constexpr, GROUP_M: gl.constexpr,
-              LAG: gl.constexpr, EPILOGUE: gl.constexpr):
+              LAG: gl.constexpr, EPILOGUE: gl.constexpr, WN: gl.constexpr):
     BM: gl.constexpr = a_smem.type.shape[1]
     HM: gl.constexpr = BM // 2
     BK: gl.constexpr = a_smem.type.shape[2]
-    BN: gl.constexpr = w_smem.type.shape[1]
+    BN: gl.constexpr = w_smem.type.shape[1] // WN  # the columns of one MMA (a tile has WN blocks of them)
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 32])
     zero = gl.zeros((HM, BN), gl.float32, mma)
-    num_pid_n = gl.cdiv(N, BN)
+    num_pid_n = gl.cdiv(N, BN * WN)
     num_tiles = num_pid_m * num_pid_n
     it = 0  # K steps consumed by this program, over all its tiles (as the producer counts them)
-    total, last = _expert_tiles(offsets_ptr, S, E, BM, EP)[1:]
+    # the scan in at least 128 lanes (one per thread): with fewer, ptxas spilled some of the
+    # wide tiles' per-tile values at E <= 16 (sm_90a, compiled offline)
+    EPC: gl.constexpr = EP if EP > 128 else 128
+    total, last = _expert_tiles(offsets_ptr, S, E, BM, EPC)[1:]
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
         # the expert and rows from the producer, beside the tile's first K step: between two tiles
@@ -213,8 +227,9 @@ def _consumer(a_smem, w_smem, ready, empty, info, c_smem, as_ptr, stride_asm, ws
         e = gl.where(tail, 0, e)
         row0 = gl.where(tail, _tail_row0(pid_m, total, last, BM), row0)
         row1 = gl.where(tail, S, row1)
-        n0 = pid_n * BN
+        n0 = pid_n * BN * WN
         ws_tile = ws_ptr + e.to(gl.int64) * stride_wse + (n0 // BN_SCALE) * stride_wsn
+        ws_next = ((n0 + BN) // BN_SCALE - n0 // BN_SCALE) * stride_wsn  # the second block's, from ws_tile (WN == 2)
         rows = row0 + HALF * HM + gl.arange(0, HM, layout=gl.SliceLayout(1, mma))
         rmask = rows < row1
         if STATIC:
@@ -228,35 +243,57 @@ def _consumer(a_smem, w_smem, ready, empty, info, c_smem, as_ptr, stride_asm, ws
         else:
             orow = rows
         acc = gl.zeros((HM, BN), gl.float32, mma)
+        acc1 = gl.zeros((HM, BN), gl.float32, mma)  # the second block of columns (WN == 2; else unused)
         kt = gl.where(tail, 0, KT)
-        if LAG:
-            # two K steps per trip: the second step's MMAs run while the first is rescaled
-            # (none in flight across the loop's back edge: ptxas would serialise every wgmma)
-            for i in range(0, kt - 1, 2):
-                scale0 = _step_scale(i, BK, BK_SCALE, ws_tile, stride_wsk, as_row, rmask, a_s, STATIC, SCALE_E8M0)
-                scale1 = _step_scale(i + 1, BK, BK_SCALE, ws_tile, stride_wsk, as_row, rmask, a_s, STATIC,
-                                     SCALE_E8M0)
-                t0 = _start_mma(a_smem, w_smem, ready, it, zero, HALF, STAGES)
-                t1 = _start_mma(a_smem, w_smem, ready, it + 1, zero, HALF, STAGES)
-                t0 = warpgroup_mma_wait(num_outstanding=1, deps=(t0, ))
+        if WN == 2:
+            # each K step's A half feeds two MMAs, one per block of columns: half the A bytes
+            # per FLOP.  One MMA in flight at a time (two accumulators and two products
+            # would not fit in the registers); the other warpgroup's MMAs overlap the FMAs
+            for i in range(kt):
+                kg = (i * BK) // BK_SCALE
+                a_sc = _act_scale(kg, as_row, rmask, a_s, STATIC)
+                scale0 = a_sc * _weight_scale(ws_tile + kg * stride_wsk, SCALE_E8M0)
+                scale1 = a_sc * _weight_scale(ws_tile + ws_next + kg * stride_wsk, SCALE_E8M0)
+                t = _start_mma(a_smem, w_smem, ready, it, zero, HALF, STAGES, 0, WN)
+                t = warpgroup_mma_wait(num_outstanding=0, deps=(t, ))
+                acc = acc + t * scale0[:, None]
+                t = _start_mma(a_smem, w_smem, ready, it, zero, HALF, STAGES, 1, WN)
+                t = warpgroup_mma_wait(num_outstanding=0, deps=(t, ))
                 mbarrier.arrive(empty.index(it % STAGES), count=1)
-                acc = acc + t0 * scale0[:, None]
-                t1 = warpgroup_mma_wait(num_outstanding=0, deps=(t1, ))
-                mbarrier.arrive(empty.index((it + 1) % STAGES), count=1)
-                acc = acc + t1 * scale1[:, None]
-                it += 2
-            first = kt - kt % 2
+                acc1 = acc1 + t * scale1[:, None]
+                it += 1
         else:
-            first = 0
-        for i in range(first, kt):
-            scale = _step_scale(i, BK, BK_SCALE, ws_tile, stride_wsk, as_row, rmask, a_s, STATIC, SCALE_E8M0)
-            t = _start_mma(a_smem, w_smem, ready, it, zero, HALF, STAGES)
-            t = warpgroup_mma_wait(num_outstanding=0, deps=(t, ))
-            mbarrier.arrive(empty.index(it % STAGES), count=1)
-            acc = acc + t * scale[:, None]  # contracted to one FMA, as the grouped kernel's tl.fma
-            it += 1
+            if LAG:
+                # two K steps per trip: the second step's MMAs run while the first is rescaled
+                # (none in flight across the loop's back edge: ptxas would serialise every wgmma)
+                for i in range(0, kt - 1, 2):
+                    scale0 = _step_scale(i, BK, BK_SCALE, ws_tile, stride_wsk, as_row, rmask, a_s, STATIC, SCALE_E8M0)
+                    scale1 = _step_scale(i + 1, BK, BK_SCALE, ws_tile, stride_wsk, as_row, rmask, a_s, STATIC,
+                                         SCALE_E8M0)
+                    t0 = _start_mma(a_smem, w_smem, ready, it, zero, HALF, STAGES)
+                    t1 = _start_mma(a_smem, w_smem, ready, it + 1, zero, HALF, STAGES)
+                    t0 = warpgroup_mma_wait(num_outstanding=1, deps=(t0, ))
+                    mbarrier.arrive(empty.index(it % STAGES), count=1)
+                    acc = acc + t0 * scale0[:, None]
+                    t1 = warpgroup_mma_wait(num_outstanding=0, deps=(t1, ))
+                    mbarrier.arrive(empty.index((it + 1) % STAGES), count=1)
+                    acc = acc + t1 * scale1[:, None]
+                    it += 2
+                first = kt - kt % 2
+            else:
+                first = 0
+            for i in range(first, kt):
+                scale = _step_scale(i, BK, BK_SCALE, ws_tile, stride_wsk, as_row, rmask, a_s, STATIC, SCALE_E8M0)
+                t = _start_mma(a_smem, w_smem, ready, it, zero, HALF, STAGES)
+                t = warpgroup_mma_wait(num_outstanding=0, deps=(t, ))
+                mbarrier.arrive(empty.index(it % STAGES), count=1)
+                acc = acc + t * scale[:, None]  # contracted to one FMA, as the grouped kernel's tl.fma
+                it += 1
         _store_tile(acc.to(out_ptr.dtype.element_ty), c_smem, out_ptr, stride_om, out_desc, orow, rmask, row0, row1,
-                    n0, S, N, HALF, SCATTER_OUT, EPILOGUE)
+                    n0, S, N, HALF, HALF * WN, True, SCATTER_OUT, EPILOGUE)
+        if WN == 2:  # its staging buffer is the warpgroup's second: the wait above freed both
+            _store_tile(acc1.to(out_ptr.dtype.element_ty), c_smem, out_ptr, stride_om, out_desc, orow, rmask, row0,
+                        row1, n0 + BN, S, N, HALF, HALF * WN + 1, False, SCATTER_OUT, EPILOGUE)
     if EPILOGUE == 2:
         tma.store_wait(0)  # the last tile's store has left shared memory before the program ends
 
@@ -283,21 +320,23 @@ def _store_rows(vals, out_ptr, stride_om, orow, rmask, n0, N, EPILOGUE: gl.const
 
 @gluon.jit
 def _store_tile(vals, c_smem, out_ptr, stride_om, out_desc, orow, rmask, row0, row1, n0, S, N, HALF: gl.constexpr,
-                SCATTER_OUT: gl.constexpr, EPILOGUE: gl.constexpr):
-    """Stores this warpgroup's half of a tile (``vals``: its rows in the MMA layout,
-    ``orow`` their output rows, ``rmask`` the tile's own).  With ``EPILOGUE`` 2, where
-    every row of the half is the tile's (output rows in place; the half not past its
-    expert's end, or ending at S, where TMA clips), it is staged in shared memory and
-    stored by TMA, asynchronously: the next tile's MMAs start at once.  Otherwise
-    :func:`_store_rows`."""
+                BUF: gl.constexpr, WAIT: gl.constexpr, SCATTER_OUT: gl.constexpr, EPILOGUE: gl.constexpr):
+    """Stores this warpgroup's half of a tile's columns from ``n0`` (``vals``: its rows
+    in the MMA layout, ``orow`` their output rows, ``rmask`` the tile's own).  With
+    ``EPILOGUE`` 2, where every row of the half is the tile's (output rows in place; the
+    half not past its expert's end, or ending at S, where TMA clips), it is staged in
+    shared memory (``c_smem``'s buffer ``BUF``; with ``WAIT``, once this warpgroup's
+    earlier stores have read theirs) and stored by TMA, asynchronously: the next tile's
+    MMAs start at once.  Otherwise :func:`_store_rows`."""
     HM: gl.constexpr = vals.type.shape[0]
     if EPILOGUE == 2 and not SCATTER_OUT:
         first = row0 + HALF * HM
         if (first + HM <= row1) | (row1 == S):
-            tma.store_wait(0)  # the previous tile's store has read the staging buffer
-            c_smem.index(HALF).store(vals)
+            if WAIT:
+                tma.store_wait(0)  # the previous tile's store has read the staging buffer
+            c_smem.index(BUF).store(vals)
             fence_async_shared()
-            tma.async_copy_shared_to_global(out_desc, [first, n0], c_smem.index(HALF))
+            tma.async_copy_shared_to_global(out_desc, [first, n0], c_smem.index(BUF))
         else:
             _store_rows(vals, out_ptr, stride_om, orow, rmask, n0, N, EPILOGUE)
     else:
@@ -308,7 +347,7 @@ def _store_tile(vals, c_smem, out_ptr, stride_om, out_desc, orow, rmask, row0, r
 def _ws_gemm_kernel(
     a_desc,                              # TMA: a (rows, K) e4m3, expert-sorted, tiles (128, 128)
     as_ptr, stride_asm,                  # dynamic: (rows, ceil(K/bk)) f32; static: (E,) f32
-    w_desc,                              # TMA: the (E * N, K) view of w (E, N, K), tiles (128, 128)
+    w_desc,                              # TMA: the (E * N, K) view of w (E, N, K), tiles (128 * WN, 128)
     ws_ptr, stride_wse, stride_wsn, stride_wsk,  # weight scale grid (0 strides broadcast)
     out_ptr, stride_om,                  # out (rows, N)
     out_desc,                            # TMA: out, tiles (64, 128) (EPILOGUE 2; else None)
@@ -318,21 +357,22 @@ def _ws_gemm_kernel(
     BN_SCALE: gl.constexpr, BK_SCALE: gl.constexpr, STATIC: gl.constexpr, SCATTER_OUT: gl.constexpr,
     SCALE_E8M0: gl.constexpr, EP: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, LAG: gl.constexpr, EPILOGUE: gl.constexpr,
+    WN: gl.constexpr,
 ):
     a_smem, w_smem, ready, empty = ring(a_desc, w_desc, STAGES)
     # per ring slot, the expert, first row and end row of the tile whose first K step it holds
     info = gl.allocate_shared_memory(gl.int32, [STAGES, 4], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    if EPILOGUE == 2:  # a staging buffer per consumer warpgroup for its TMA stores
-        c_smem = gl.allocate_shared_memory(out_desc.dtype, [2] + out_desc.block_type.shape, out_desc.layout)
+    if EPILOGUE == 2:  # a staging buffer per consumer warpgroup and block of columns for its TMA stores
+        c_smem = gl.allocate_shared_memory(out_desc.dtype, [2 * WN] + out_desc.block_type.shape, out_desc.layout)
     else:
         c_smem = info  # unused
     gl.warp_specialize([
         (_consumer, (a_smem, w_smem, ready, empty, info, c_smem, as_ptr, stride_asm, ws_ptr, stride_wse, stride_wsn,
                      stride_wsk, out_ptr, stride_om, out_desc, perm_ptr, offsets_ptr, S, N, E, KT, num_pid_m, 0,
-                     STAGES, BN_SCALE, BK_SCALE, STATIC, SCATTER_OUT, SCALE_E8M0, EP, GROUP_M, LAG, EPILOGUE)),
+                     STAGES, BN_SCALE, BK_SCALE, STATIC, SCATTER_OUT, SCALE_E8M0, EP, GROUP_M, LAG, EPILOGUE, WN)),
         (_consumer, (a_smem, w_smem, ready, empty, info, c_smem, as_ptr, stride_asm, ws_ptr, stride_wse, stride_wsn,
                      stride_wsk, out_ptr, stride_om, out_desc, perm_ptr, offsets_ptr, S, N, E, KT, num_pid_m, 1,
-                     STAGES, BN_SCALE, BK_SCALE, STATIC, SCATTER_OUT, SCALE_E8M0, EP, GROUP_M, LAG, EPILOGUE)),
+                     STAGES, BN_SCALE, BK_SCALE, STATIC, SCATTER_OUT, SCALE_E8M0, EP, GROUP_M, LAG, EPILOGUE, WN)),
         (_producer, (a_desc, w_desc, a_smem, w_smem, ready, empty, info, offsets_ptr, S, N, E, KT, num_pid_m, EP, GROUP_M,
                      STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

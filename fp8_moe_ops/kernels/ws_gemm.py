@@ -10,6 +10,9 @@ Gluon (Triton's lower-level dialect, ``triton.experimental.gluon``, in the same 
 
 - a producer warp streams each K step's A (128 x 128) and weight (128 x 128) tiles
   with TMA into a ring of ``STAGES`` shared-memory slots (``ready`` mbarriers);
+- where N is a multiple of 256 and K at most ``WIDE_MAX_K``, the weight tile is
+  256 x 128 (output tiles of 128 x 256: each A tile feeds two MMAs, half the A bytes per
+  FLOP), in a ring of ``WIDE_STAGES`` slots, without ``LAG`` (registers);
 - two consumer warpgroups take 64 rows of the tile each, so one warpgroup's FMAs can
   run while the other's MMAs do; with ``LAG`` each takes two K steps at a time: it
   issues both steps' MMAs, waits for the first's only, releases its slot (``empty``,
@@ -76,6 +79,13 @@ CONSUMER_REGS = 232  # registers per consumer thread (setmaxnreg)
 PRODUCER_REGS = 40  # registers per producer thread (its tile map of up to 256 experts fits;
 # 48 left the default consumer warpgroup 224, and it spilled: 232 each, no spill)
 LAG = True  # consumers take two K steps at a time (measured faster: docs/benchmarks.md)
+# tiles of 128 x 256 output columns (two MMAs per A tile and K step, one in flight at a
+# time per warpgroup, so without LAG; a ring of WIDE_STAGES slots) where N is a multiple
+# of 256 and K at most WIDE_MAX_K: measured faster there, slower at K = 7168 and 14336
+# (docs/benchmarks.md)
+WIDE = True
+WIDE_MAX_K = 2048
+WIDE_STAGES = 3  # 48 KB per slot; with the staging buffers of the output, 208 KB
 # the output store (gluon_gemm._store_tile): 0 from the MMA layout, 1 whole rows through
 # shared memory, 2 TMA where a tile's rows are its own and in place, else as 1
 EPILOGUE = 2
@@ -131,10 +141,14 @@ def ws_gemm_call(q, q_scale, w, ws, ws_strides, block, out, *, offsets, perm, sc
     (None: one per tile), each taking every ``grid``-th tile."""
     E, N, K = w.shape
     S = out.shape[0]
-    tile = [TILE, TILE]  # A and weight tiles alike
+    # a wide tile only where its second block of columns is never past N, and its output
+    # staging (2 bytes an element) fits beside the ring
+    wn = 2 if WIDE and K <= WIDE_MAX_K and N % (2 * TILE) == 0 and out.element_size() <= 2 else 1
+    tile = [TILE, TILE]
+    w_tile = [wn * TILE, TILE]
     a_desc = TensorDescriptor.from_tensor(q, tile, shared_layout(tile))
-    w_desc = TensorDescriptor(w, [E * N, K], [K, 1], tile, shared_layout(tile))
-    tiles = num_pid_m * triton.cdiv(N, TILE)
+    w_desc = TensorDescriptor(w, [E * N, K], [K, 1], w_tile, shared_layout(w_tile))
+    tiles = num_pid_m * triton.cdiv(N, wn * TILE)
     grid = (tiles if max_programs is None else min(tiles, max_programs),)
     epilogue = EPILOGUE
     if epilogue == 2 and (scatter_out or not tma_ready(out) or out.dtype not in OUT_TYPES):
@@ -150,6 +164,6 @@ def ws_gemm_call(q, q_scale, w, ws, ws_strides, block, out, *, offsets, perm, sc
         perm if perm is not None else out, offsets,
         S, N, E, triton.cdiv(K, TILE), num_pid_m,
     ), dict(BN_SCALE=block[0], BK_SCALE=block[1], STATIC=static, SCATTER_OUT=scatter_out, SCALE_E8M0=e8m0,
-            EP=max(2, next_power_of_2(E)), GROUP_M=group_m, STAGES=STAGES, CONSUMER_REGS=CONSUMER_REGS,
-            PRODUCER_REGS=PRODUCER_REGS, LAG=LAG, EPILOGUE=epilogue),
+            EP=max(2, next_power_of_2(E)), GROUP_M=group_m, STAGES=STAGES if wn == 1 else WIDE_STAGES,
+            CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, LAG=LAG and wn == 1, EPILOGUE=epilogue, WN=wn),
         dict(num_warps=4))
