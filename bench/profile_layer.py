@@ -6,7 +6,10 @@
 For each (model, T), dynamic and static activation scales: the median over 20 calls of
 every kernel's device time, their sum, and the CUDA-graph replay time of the whole call
 (the gap between them is the cost of launches and of the GPU idling between dependent
-kernels).  ``--table`` changes the launch-config table for the run
+kernels).  Also the time per layer of one graph of ``--layers`` calls, each on its own
+copy of the weights (as a decode step's graph runs one layer after another; the copies
+keep a layer from finding the previous one's weights in L2): a one-call graph's replay
+also pays for starting the graph.  ``--table`` changes the launch-config table for the run
 (:func:`common.table_override`): the experiment that decides a setting.  Writes
 ``OUT/<--name>.json`` / ``.md``; exits 1 if any case failed.
 """
@@ -27,14 +30,17 @@ CASES = {"deepseek_v3": [1, 8, 16384], "qwen3_30b_a3b": [1, 8, 64, 16384], "mixt
 CALLS = 20
 
 
-def kernel_times(fn) -> dict:
+def kernel_times(fn, layer_fns) -> dict:
+    """``fn``: one call; ``layer_fns``: calls of the same shapes on distinct weights."""
     evs = cuda_events(fn, CALLS)
     per_call = len(evs) // CALLS
     # the i-th kernel of every call (the two GEMMs share a name, not a position)
     kernels = [(evs[i].name, statistics.median(evs[c * per_call + i].device_time_total for c in range(CALLS)))
                for i in range(per_call)]
     return {"launches_per_call": len(evs) / CALLS, "sum_us": sum(t for _, t in kernels),
-            "graph_us": graph_ms(fn) * 1e3, "kernels_us": kernels}
+            "graph_us": graph_ms(fn) * 1e3,
+            "graph_per_layer_us": graph_ms(lambda: [f() for f in layer_fns]) * 1e3 / len(layer_fns),
+            "kernels_us": kernels}
 
 
 def main() -> int:
@@ -44,18 +50,31 @@ def main() -> int:
     p.add_argument("--table", default=None,
                    help="KEY=VALUE,... set on every entry of the launch-config table (e.g. maxnreg=none)")
     p.add_argument("--name", default="profile_layer", help="output files OUT/<name>.json and .md")
+    p.add_argument("--layers", type=int, default=4, help="calls (each on its own weight copy) in the multi-layer graph")
     args = p.parse_args()
     if args.table:
         table_override(args.table)
     runner = Runner(args.name, args.out_dir)
     gen = torch.Generator(device="cuda").manual_seed(5)
 
-    def run(name, T, w, inputs, scheme, scales):
-        runner.run(ExperimentConfig("profile", name, T, scheme), lambda: kernel_times(
-            lambda: torch.ops.fp8_moe.grouped_experts(*inputs, *w, BLOCK, "silu", *scales)))
+    copies = []  # the model's weights and their clones: one per layer of the graph (freed after each model)
 
-    each_scheme_case(parse_sweep(args.cases) if args.cases else CASES, gen, run,
-                     after_model=lambda: runner.save(table(runner)))
+    def run(name, T, w, inputs, scheme, scales):
+        if not copies:
+            copies.extend([w, *(type(w)(*(t.clone() for t in w)) for _ in range(args.layers - 1))])
+
+        def call(weights):
+            return lambda: torch.ops.fp8_moe.grouped_experts(*inputs, *weights, BLOCK, "silu", *scales)
+
+        runner.run(ExperimentConfig("profile", name, T, scheme),
+                   lambda: kernel_times(call(w), [call(c) for c in copies]))
+
+    def after_model():
+        copies.clear()
+        torch.cuda.empty_cache()
+        runner.save(table(runner))
+
+    each_scheme_case(parse_sweep(args.cases) if args.cases else CASES, gen, run, after_model=after_model)
     return runner.exit_code()
 
 
@@ -63,7 +82,8 @@ def table(runner: Runner) -> str:
     return results_table(runner.results, [("model", "model", ""), ("T", "tokens", ""), ("scheme", "variant", ""),
                                           ("launches", "launches_per_call", ".0f"),
                                           ("sum of kernels µs", "sum_us", ".1f"),
-                                          ("graph µs", "graph_us", ".1f")])
+                                          ("graph µs", "graph_us", ".1f"),
+                                          ("graph of layers, µs per layer", "graph_per_layer_us", ".1f")])
 
 
 if __name__ == "__main__":
