@@ -13,15 +13,38 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .quant import expert_of_rows, quantize_and_store, round_to
+from .quant import HW_CASTS, expert_of_rows, quantize_and_store, round_to
 
 ACT_IDS = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3}
 
 
 @triton.jit
+def _silu(g):
+    """g / (1 + exp(-g)).  On the GPU five instructions: ``ex2.approx.ftz`` of
+    ``-g * log2(e)`` (an exp as approximate as ``tl.exp``'s; the flush affects only
+    terms below 2^-126, next to 1), ``rcp.approx.ftz`` of ``1 + that`` (1 ulp; the
+    denominator is at least 1) and the product with g: within a few float32 ulps of an
+    IEEE division of ``tl.exp``'s result, which took about 18 (the division's Newton
+    steps and checks, the exp's range fix-ups).  The gated activation at prefill is bound
+    by instructions issued, not bytes moved (docs/benchmarks.md).  The interpreter
+    (``HW_CASTS`` false) has no inline assembly: there the division."""
+    if HW_CASTS:
+        return tl.inline_asm_elementwise(
+            """{
+            .reg .f32 t;
+            mul.f32 t, $1, 0fBFB8AA3B;
+            ex2.approx.ftz.f32 t, t;
+            add.f32 t, t, 0f3F800000;
+            rcp.approx.ftz.f32 t, t;
+            mul.f32 $0, $1, t;
+            }""", "=r,r", [g], dtype=tl.float32, is_pure=True, pack=1)
+    return tl.math.div_rn(g, 1.0 + tl.exp(-g))
+
+
+@triton.jit
 def _apply_activation(g, ACT: tl.constexpr):
     if ACT == 0:  # silu
-        return tl.math.div_rn(g, 1.0 + tl.exp(-g))
+        return _silu(g)
     elif ACT == 1:  # gelu, erf form
         return 0.5 * g * (1.0 + tl.math.erf(g * 0.7071067811865476))
     elif ACT == 2:  # gelu, tanh form; tanh(u) = 1 - 2 / (exp(2u) + 1) (no tanh in tl core)
