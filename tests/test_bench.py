@@ -351,3 +351,22 @@ def test_ncu_summary_keeps_each_kernels_named_metrics(monkeypatch, tmp_path):
     assert ncu.summarize(str(path)) == [
         {"kernel": "_sort_quant_kernel", "Duration": "5,120 ns"},  # Elapsed Cycles: not in SUMMARY
         {"kernel": "_grouped_gemm_kernel", "DRAM Throughput": "66.70 %", "Grid Size": "560"}]
+
+
+def test_aux_kernels_launch_shapes_give_the_shipped_bytes(common, monkeypatch):
+    # the benchmark reports equality on the GPU; here every swept shape of each kernel
+    # (interpreted, a tiny layer with partial column blocks) writes what the forward's writes
+    aux = _load("aux_kernels", monkeypatch)
+    tiny = common.Model("tiny", E=5, H=384, I=192, top_k=2)
+    tensors = aux._tensors(tiny, 6, torch.Generator().manual_seed(3), "cpu")
+    for kernel, (shipped, reshaped, outputs, nbytes) in aux._calls(tiny, 6, tensors).items():
+        assert nbytes > 0
+        aux.launch(shipped)
+        expected = [o.clone() for o in outputs]
+        assert any(e.view(torch.uint8).any() for e in expected), kernel
+        for size, warps in aux.SHAPES[kernel][::2]:
+            for o in outputs:
+                o.fill_(0)
+            aux.launch(reshaped(size, warps))
+            assert all(torch.equal(o.view(torch.uint8), e.view(torch.uint8)) for o, e in zip(outputs, expected)), \
+                (kernel, size, warps)
