@@ -214,6 +214,8 @@ EXPERT_CASES = {  # T, E, H, I, top_k, block, routing (tests/helpers.make_routin
     "sentinels": (257, 9, 512, 384, 3, [128, 128], "sentinel"),
     "block 32": (100, 4, 160, 96, 2, [32, 32], "sentinel"),
     "mid-size": (600, 16, 1024, 512, 4, [128, 128], "uniform"),
+    # the combine's own kernel over column blocks of 2048, the last one partial
+    "H past one combine block": (40, 5, 4224, 128, 2, [128, 128], "sentinel"),
     # decode (T * k <= 64): the combine in the down GEMM's launch, and the activation in
     # the gate_up GEMM's where T * k <= 16 (block 32: 6 slots; the others 12, 16 and 32)
     "decode, H/I not multiples": (3, 13, 400, 200, 4, [128, 128], "sentinel"),

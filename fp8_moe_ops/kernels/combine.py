@@ -78,8 +78,9 @@ def slots_block(topk: int) -> int:
 
 
 def combine_launch_shape(T: int, H: int, topk: int) -> tuple[tuple[int, int], int, int]:
-    """(grid, KP, BLOCK_H)."""
-    block_h = min(1024, next_power_of_2(H))
+    """(grid, KP, BLOCK_H): a program per token and block of up to 2048 columns (against
+    1024: 10-15 % faster at H = 7168 and 2048 on the H200, ``bench/aux_kernels.py``)."""
+    block_h = min(2048, next_power_of_2(H))
     return (T, cdiv(H, block_h)), slots_block(topk), block_h
 
 
