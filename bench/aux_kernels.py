@@ -8,9 +8,10 @@ as the Gluon GEMM's path runs it (each token quantised once and stored at its k 
 expert-sorted rows, ``DEST``), the gated activation + quantisation, and the combine.
 Each runs with the forward's launch shape (``shipped``) and with others: rows or
 columns per program, warps.  Reported: GPU µs (median of ``do_bench``), the time its
-bytes take at 4.22 TB/s, their ratio, and whether the output equals the shipped
-shape's bitwise (the same arithmetic per element, so it must).  Nothing in the
-package changes: the experiment that would decide a launch shape.  Writes
+bytes take at the measured copy bandwidth (``common.COPY_BANDWIDTH``, 4.22 TB/s), their
+ratio, and whether the output equals the shipped shape's bitwise (the same arithmetic
+per element, so it must).  Nothing in the package changes: the experiment that would
+decide a launch shape.  Writes
 ``OUT/aux_kernels.json`` / ``.md``; exits 1 if any case failed.
 """
 
@@ -21,7 +22,8 @@ import sys
 
 import torch
 
-from common import MODELS, ExperimentConfig, Runner, log, make_routing, parse_sweep, results_table, time_ms
+from common import (COPY_BANDWIDTH, MODELS, ExperimentConfig, Runner, log, make_routing, parse_sweep, results_table,
+                    time_ms)
 from fp8_moe_ops import routing
 from fp8_moe_ops.functional import cdiv
 from fp8_moe_ops.kernels.activation import ACT_IDS, _gated_act_quant_kernel
@@ -32,7 +34,6 @@ from fp8_moe_ops.kernels.quant import quant_launch_shape
 
 CASES = {"deepseek_v3": [8192], "qwen3_30b_a3b": [16384], "mixtral_8x7b": [16384]}
 BK = 128
-PEAK_BYTES_PER_S = 4.22e12
 # (rows or columns per program, warps) tried per kernel besides the shipped shape
 SHAPES = {
     "quant": [(r, w) for r in (2, 4, 8, 16) for w in (4, 8)],
@@ -51,7 +52,7 @@ def _tensors(model, T: int, gen: torch.Generator, dev: str = "cuda") -> dict:
     return dict(
         ids=ids, weights=weights, slot_rows=slot_rows, offsets=offsets,
         x=torch.randn(T, H, device=dev, generator=gen, dtype=torch.bfloat16),
-        q=torch.empty(S, H, dtype=torch.float8_e4m3fn, device=dev), q_scale=torch.empty(S, H // BK, device=dev),
+        q=torch.empty(S, H, dtype=torch.float8_e4m3fn, device=dev), q_scale=torch.empty(S, cdiv(H, BK), device=dev),
         h=(torch.randn(S, 2 * I, device=dev, generator=gen) * 4).to(torch.bfloat16),
         a_q=torch.empty(S, I, dtype=torch.float8_e4m3fn, device=dev), a_s=torch.empty(S, cdiv(I, BK), device=dev),
         y=torch.randn(S, H, device=dev, generator=gen, dtype=torch.bfloat16),
@@ -83,7 +84,7 @@ def _calls(model, T: int, t: dict) -> dict:
                                 options={**combine.options, "num_warps": w})
 
     return {
-        "quant": (quant, rows_shape(quant, T), (t["q"], t["q_scale"]), T * H * 2 + S * H + S * (H // BK) * 4),
+        "quant": (quant, rows_shape(quant, T), (t["q"], t["q_scale"]), T * H * 2 + S * H + S * cdiv(H, BK) * 4),
         "act": (act, rows_shape(act, S), (t["a_q"], t["a_s"]), S * 2 * I * 2 + S * I + S * cdiv(I, BK) * 4),
         "combine": (combine, combine_shape, (t["out"],), S * H * 2 + T * H * 2),
     }
@@ -119,7 +120,7 @@ def main() -> int:
                         equal = all(torch.equal(o.view(torch.uint8), r.view(torch.uint8))
                                     for o, r in zip(outputs, reference))
                         us = time_ms(lambda: launch(call), rep_ms=100, warmup_ms=25) * 1e3
-                        floor = nbytes / PEAK_BYTES_PER_S * 1e6
+                        floor = nbytes / COPY_BANDWIDTH * 1e6
                         return {"us": us, "bytes_floor_us": floor, "ratio": us / floor, "equal_to_shipped": equal}
 
                     variant = "shipped" if call is shipped else "other"
