@@ -26,11 +26,10 @@ from common import (COPY_BANDWIDTH, MODELS, ExperimentConfig, Runner, log, make_
                     time_ms)
 from fp8_moe_ops import routing
 from fp8_moe_ops.functional import cdiv
-from fp8_moe_ops.kernels.activation import ACT_IDS, _gated_act_quant_kernel
+from fp8_moe_ops.kernels.activation import gated_act_quant_call
 from fp8_moe_ops.kernels.combine import combine_call
 from fp8_moe_ops.kernels.launch import KernelCall, launch
 from fp8_moe_ops.kernels.moe import _quant_call
-from fp8_moe_ops.kernels.quant import quant_launch_shape
 
 CASES = {"deepseek_v3": [8192], "qwen3_30b_a3b": [16384], "mixtral_8x7b": [16384]}
 BK = 128
@@ -66,11 +65,7 @@ def _calls(model, T: int, t: dict) -> dict:
     S = T * k
     quant = _quant_call(t["x"], t["q"], t["q_scale"], T, BK, topk=k, ids=t["ids"], num_experts=E,
                         dest=t["slot_rows"])
-    grid, block_r, block_g = quant_launch_shape(S, I, BK)
-    act = KernelCall(_gated_act_quant_kernel, grid, (
-        t["h"], t["h"].stride(0), t["a_q"], t["a_s"], t["offsets"], t["a_s"], S, I, E, 0.0,
-    ), dict(ACT=ACT_IDS["silu"], HAS_LIMIT=False, STATIC=False, GROUP=BK, BLOCK_R=block_r, BLOCK_G=block_g,
-            SEARCH_STEPS=E.bit_length()), dict(enable_fp_fusion=False))
+    act = gated_act_quant_call(t["h"], t["a_q"], t["a_s"], t["offsets"], E, BK, "silu", None, False)
     combine = combine_call(t["y"], t["ids"], t["weights"], E, t["out"])
 
     def rows_shape(call, rows):

@@ -13,7 +13,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .quant import HW_CASTS, expert_of_rows, quantize_and_store, round_to
+from .launch import KernelCall
+from .quant import HW_CASTS, expert_of_rows, quant_launch_shape, quantize_and_store, round_to
 
 ACT_IDS = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3}
 
@@ -92,3 +93,18 @@ def _gated_act_quant_kernel(
     expert = expert_of_rows(rows, offsets_ptr, E, SEARCH_STEPS)
     gated_act_quant(h_ptr, stride_hm, q_ptr, s_ptr, act_scale_ptr, rows, (rows < S) & (expert < E), expert,
                     tl.program_id(1), I, limit, ACT, HAS_LIMIT, STATIC, GROUP, BLOCK_G)
+
+
+def gated_act_quant_call(h, a_q, a_s, offsets, num_experts: int, bk: int, activation: str, swiglu_limit,
+                         static: bool) -> KernelCall:
+    """The launch of :func:`_gated_act_quant_kernel` over the S sorted rows of h (S, 2I)
+    -> a_q (S, I) and, dynamic, its scales a_s (S, ceil(I/bk)); static, a_s is the (E,)
+    input.  ``offsets``: the (E,) inclusive row ends of the experts."""
+    S, I = h.shape[0], h.shape[1] // 2
+    grid, block_r, block_g = quant_launch_shape(S, I, bk)
+    return KernelCall(_gated_act_quant_kernel, grid, (
+        h, h.stride(0), a_q, a_s, offsets, a_s, S, I, num_experts,
+        float(swiglu_limit) if swiglu_limit is not None else 0.0,
+    ), dict(ACT=ACT_IDS[activation], HAS_LIMIT=swiglu_limit is not None, STATIC=static,
+            GROUP=bk, BLOCK_R=block_r, BLOCK_G=block_g, SEARCH_STEPS=num_experts.bit_length()),
+        dict(enable_fp_fusion=False))

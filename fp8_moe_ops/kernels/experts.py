@@ -57,7 +57,7 @@ from triton.runtime import driver
 from .. import routing
 from ..functional import cdiv, next_power_of_2
 from . import ws_gemm
-from .activation import ACT_IDS, _gated_act_quant_kernel
+from .activation import gated_act_quant_call
 from .combine import combine_call
 from .config import gemm_config
 from .launch import KernelCall, cached, launch, through_jit
@@ -208,13 +208,7 @@ def _calls(env: dict, E: int, I: int, block: tuple[int, int], activation: str, s
         gated = Gated(a_q, a_s, counters, activation, swiglu_limit, static_down, act_counters)
     calls.append(_gemm_call(q, q_scale, *gate_up, block, h, **gemm, gated=gated))
     if gated is None:
-        grid, block_r, block_g = quant_launch_shape(S, I, bk)
-        calls.append(KernelCall(_gated_act_quant_kernel, grid, (
-            h, h.stride(0), a_q, a_s, offsets, a_s, S, I, E,
-            float(swiglu_limit) if swiglu_limit is not None else 0.0,
-        ), dict(ACT=ACT_IDS[activation], HAS_LIMIT=swiglu_limit is not None, STATIC=static_down,
-                GROUP=bk, BLOCK_R=block_r, BLOCK_G=block_g, SEARCH_STEPS=E.bit_length()),
-            dict(enable_fp_fusion=False)))
+        calls.append(gated_act_quant_call(h, a_q, a_s, offsets, E, bk, activation, swiglu_limit, static_down))
 
     # down: y (S, H) back in slot order (sentinel slots' rows are zero or unwritten, and
     # never read), then the combine, in the same launch where there are counters
