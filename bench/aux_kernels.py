@@ -46,8 +46,7 @@ def _tensors(model, T: int, gen: torch.Generator, dev: str = "cuda") -> dict:
     S = T * k
     ids, weights = make_routing(T, E, k, "uniform", gen, dev)
     perm, offsets = routing.sort_slots(ids, E)
-    # each slot's sorted row, as the forward makes it (experts.py)
-    slot_rows = torch.empty_like(perm).scatter_(0, perm, torch.arange(S, device=perm.device))
+    slot_rows = routing.sorted_positions(perm)  # each slot's sorted row, as the forward's
     return dict(
         ids=ids, weights=weights, slot_rows=slot_rows, offsets=offsets,
         x=torch.randn(T, H, device=dev, generator=gen, dtype=torch.bfloat16),

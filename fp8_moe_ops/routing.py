@@ -42,6 +42,12 @@ def sort_slots(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor
     return perm, torch.searchsorted(sorted_key, upper).to(torch.int32)
 
 
+def sorted_positions(perm: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`sort_slots`' ``perm``: (S,) int64, flat slot index -> its
+    sorted position (where a kernel stores the slot's row in expert order)."""
+    return torch.empty_like(perm).scatter_(0, perm, torch.arange(perm.numel(), device=perm.device))
+
+
 def combine(y: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, num_experts: int,
             out_dtype: torch.dtype) -> torch.Tensor:
     """Weighted sum of per-slot expert outputs, float32, deterministic (no atomics).

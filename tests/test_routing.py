@@ -26,6 +26,9 @@ def test_sort_slots_is_the_reference_sort(T, k, E, kind):
     rperm, roffsets = reference.sort_by_expert(idx, E)
     assert perm.dtype == torch.int64 and offsets.dtype == torch.int32
     assert torch.equal(perm, rperm) and torch.equal(offsets, roffsets)
+    pos = routing.sorted_positions(perm)  # the inverse permutation
+    assert pos.dtype == torch.int64 and torch.equal(perm[pos], torch.arange(T * k))
+    assert torch.equal(pos[perm], torch.arange(T * k))
 
 
 @pytest.mark.parametrize("T,k,E,kind", ROUTING_CASES)

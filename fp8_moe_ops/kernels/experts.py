@@ -267,9 +267,7 @@ def experts_forward(sources: dict, E: int, I: int, block: tuple[int, int], gate_
     if T * k > MAX_SLOTS:
         env["perm"], env["offsets"] = routing.sort_slots(top_k_index, E)
         if sorted_a:  # each slot's sorted position: where the quantisation stores it
-            perm = env["perm"]
-            rows = torch.arange(perm.numel(), device=perm.device)
-            env["slot_rows"] = torch.empty_like(perm).scatter_(0, perm, rows)
+            env["slot_rows"] = routing.sorted_positions(env["perm"])
     calls = _calls(env, E, I, block, activation, swiglu_limit, gate_up, down, sorted_a)
     for call in calls:
         launch(call)
