@@ -192,19 +192,27 @@ def table_override(table: str) -> None:
     """For the rest of the process: ``table`` ("KEY=VALUE,...", integer values; "KEY=none"
     removes the key) set on every entry of the grouped GEMM's launch-config table, as if
     checked in (so at a T whose rows per expert fall in one bucket, on that bucket's
-    entry).  Call before the first launch: launches and launch plans are cached."""
+    entry).  With a weight shape before a colon ("N,K:KEY=VALUE,..."), only on the
+    entries of that shape's own list.  Call before the first launch: launches and launch
+    plans are cached."""
     from fp8_moe_ops.kernels import config
 
+    shape, _, table = table.rpartition(":")
     pairs = (kv.split("=") for kv in table.split(","))
     changes = {key: None if value == "none" else int(value) for key, value in pairs}
+    shipped = config._table()
+    if shape and shape not in shipped["shapes"]:
+        raise ValueError(f"table_override: shape {shape!r} has no list of its own in the table "
+                         f"(expected one of {sorted(shipped['shapes'])})")
 
-    def change(entry: dict) -> dict:
+    def change(entry: dict, entry_shape: str | None) -> dict:
+        if shape and entry_shape != shape:
+            return entry
         entry = {**entry, **changes}
         return {key: value for key, value in entry.items() if value is not None or key == "max_rows"}
 
-    shipped = config._table()
-    patched = {"default": [change(e) for e in shipped["default"]],
-               "shapes": {shape: [change(e) for e in entries] for shape, entries in shipped["shapes"].items()}}
+    patched = {"default": [change(e, None) for e in shipped["default"]],
+               "shapes": {s: [change(e, s) for e in entries] for s, entries in shipped["shapes"].items()}}
     config._table = lambda: patched
 
 

@@ -1,7 +1,7 @@
 """GPU time per kernel of one ``fp8_moe::grouped_experts`` call (torch.profiler).
 
     PYTHONPATH=. python bench/profile_layer.py --out-dir OUT [--cases "qwen3_30b_a3b:1,8;..."]
-        [--table maxnreg=none] [--name profile_layer]
+        [--table [N,K:]maxnreg=none] [--name profile_layer]
 
 For each (model, T), dynamic and static activation scales: the median over 20 calls of
 every kernel's device time, their sum, and the CUDA-graph replay time of the whole call
@@ -48,7 +48,8 @@ def main() -> int:
     p.add_argument("--out-dir", required=True)
     p.add_argument("--cases", default=None, help="model:T,T;... (default: CASES)")
     p.add_argument("--table", default=None,
-                   help="KEY=VALUE,... set on every entry of the launch-config table (e.g. maxnreg=none)")
+                   help="[N,K:]KEY=VALUE,... set on every entry of the launch-config table, or of one weight "
+                        "shape's list (e.g. maxnreg=none, 7168,2048:min_programs=896)")
     p.add_argument("--name", default="profile_layer", help="output files OUT/<name>.json and .md")
     p.add_argument("--layers", type=int, default=4, help="calls (each on its own weight copy) in the multi-layer graph")
     args = p.parse_args()

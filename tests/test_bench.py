@@ -143,6 +143,19 @@ def test_table_override_changes_every_entry_and_removes_keys(common, monkeypatch
     assert config.gemm_config(8192, 8, 28672, 4096)["BM"] == 128  # the rest as shipped
 
 
+def test_table_override_of_one_shape_leaves_the_others(common, monkeypatch):
+    from fp8_moe_ops.kernels import config
+
+    monkeypatch.setattr(config, "_table", config._table)  # restored after the test
+    common.table_override("7168,2048:min_programs=896")
+    # deepseek_v3's T=1 down GEMM: 8 experts x 56 column tiles of 128 < 896, so 64-wide tiles
+    assert config.gemm_config(8, 256, 7168, 2048, split_k=True)["BN"] == 64
+    assert config.gemm_config(8, 256, 4096, 7168)["BN"] == 64  # its gate_up as shipped (min_programs 264)
+    assert config.gemm_config(2, 8, 28672, 4096)["BN"] == 128  # the default list as shipped
+    with pytest.raises(ValueError, match="shape '1,2'"):
+        common.table_override("1,2:maxnreg=none")
+
+
 def test_bench_moe_table_from_results(common, monkeypatch):
     bench_moe = _load("bench_moe", monkeypatch)
     runner = common.Runner("bench_moe")
