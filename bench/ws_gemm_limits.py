@@ -29,12 +29,23 @@ The edits below are made to the K loop of 128 x 128 tiles: these variants run wi
   predicated off (its layout conversion and address arithmetic stay);
 * ``a+b``: both edits.
 
+Two variants of the activation scales, with output tiles as shipped (128 x 256 where N
+allows):
+
+* ``static``: the shipped kernel launched with static activation scales (one per expert,
+  read once per tile) on the same fp8 bytes: what reading each row's own scale every K
+  step costs;
+* ``one_scale_row``: every row of a tile reads its first row's scales (one address per
+  load instead of up to 8 rows' cache lines per warp): what a scale layout with a tile's
+  rows side by side could gain at most.
+
 The rows are spread over the E experts evenly (``--routing even``: M / E each, whole
 tiles where that is a multiple of 128), or as the layer benchmarks route them
 (``uniform``: the per-expert counts of ``common.make_routing``, so experts' last tiles
 are partly empty, as in a layer).
 
-Only ``shipped``, the two stores and ``narrow`` compute the product; the variants' outputs are meaningless by design
+Only ``shipped``, the two stores and ``narrow`` compute the product (``static`` computes one with other
+scales); the other variants' outputs are meaningless by design
 (the GPU tests check the shipped kernel against the reference).  Beside them, in the
 same run, the dense cuBLAS rates at the same M, N, K (``gemm_ceiling.py``'s block-scaled
 and tensorwise calls).  Times are medians of back-to-back launches
@@ -100,6 +111,10 @@ _EDITS = {
 """, """        mbarrier.arrive(ready.index(s), count=1)
 """),
     ],
+    "one_scale_row": [
+        ("        as_row = as_ptr + rows.to(gl.int64) * stride_asm\n",
+         "        as_row = as_ptr + (rows * 0 + row0).to(gl.int64) * stride_asm\n"),
+    ],
     "no_store": [
         ("if (first + HM <= row1) | (row1 == S):", "if row0 < 0:"),
         ("mask=m[:, None] & (cols < N)[None, :])", "mask=m[:, None] & (cols < N)[None, :] & (n0 < 0))"),
@@ -107,7 +122,8 @@ _EDITS = {
 }
 STORES = {"store_mma": 0, "store_rows": 1}  # variants of ws_gemm.EPILOGUE
 EXACT = (*STORES, "narrow")  # variants of the launch alone: the shipped kernel, its product
-VARIANTS = ("shipped", *EXACT, "no_rescale", "no_loads", "no_rescale+no_loads", "no_store")
+SCALES = ("static", "one_scale_row")  # variants of the activation scales, with tiles as shipped
+VARIANTS = ("shipped", *EXACT, "no_rescale", "no_loads", "no_rescale+no_loads", "no_store", *SCALES)
 ROUTINGS = ("even", "uniform")
 
 
@@ -116,7 +132,7 @@ def variant_kernel(variant: str, workdir: str):
     """The Gluon kernel of ``variant``: ``kernels/gluon_gemm.py``'s source with the
     variant's edits, loaded as a module of its own (the JIT reads its source file); one
     module per variant and run, so each compiles once per specialisation."""
-    if variant == "shipped" or variant in EXACT:
+    if variant in ("shipped", "static") or variant in EXACT:
         return gluon_gemm._ws_gemm_kernel
     source = inspect.getsource(gluon_gemm)
     for part in variant.split("+"):
@@ -149,15 +165,18 @@ def run_shape(runner: Runner, model, T: int, proj: str, N: int, K: int, variants
     w, ws = make_weights(model.E, N, K, gen)
     a = (torch.randn(M, K, device="cuda", generator=gen, dtype=torch.bfloat16) * 32).to(FP8)
     sa = torch.rand(M, -(-K // 128), device="cuda", generator=gen) * 2e-3 + 1e-3
+    sa_expert = torch.rand(model.E, device="cuda", generator=gen) * 2e-3 + 1e-3  # the ``static`` variant's
     out = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
 
     def make_call(variant):
         real, real_wide = ws_gemm.EPILOGUE, ws_gemm.WIDE
         ws_gemm.EPILOGUE = STORES.get(variant, real)
-        ws_gemm.WIDE = real_wide and variant in ("shipped", *STORES)  # the edits are to the narrow K loop
+        # the K-loop edits are to the narrow K loop; the scale variants' edit is to both
+        ws_gemm.WIDE = real_wide and variant in ("shipped", *STORES, *SCALES)
+        static = variant == "static"
         try:
-            return ws_gemm.ws_gemm_call(a, sa, w, ws, ws.stride(), (128, 128), out, offsets=offsets, perm=None,
-                                        scatter_out=False, static=False, e8m0=False,
+            return ws_gemm.ws_gemm_call(a, sa_expert if static else sa, w, ws, ws.stride(), (128, 128), out,
+                                        offsets=offsets, perm=None, scatter_out=False, static=static, e8m0=False,
                                         num_pid_m=-(-M // 128) + model.E, group_m=8,
                                         max_programs=ws_gemm.programs(out.device))
         finally:
