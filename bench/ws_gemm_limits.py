@@ -266,9 +266,9 @@ def main() -> int:
         plot(args.plot, args.png)
         return 0
     variants = args.variants.split(",")
-    unknown = [v for v in variants if v not in ("shipped", *EXACT) and not set(v.split("+")) <= set(_EDITS)]
+    unknown = [v for v in variants if v not in ("shipped", "static", *EXACT) and not set(v.split("+")) <= set(_EDITS)]
     if unknown:
-        ap.error(f"--variants: unknown {unknown}; expected shipped, {', '.join(EXACT)} or any of {sorted(_EDITS)} "
+        ap.error(f"--variants: unknown {unknown}; expected shipped, static, {', '.join(EXACT)} or any of {sorted(_EDITS)} "
                  "joined by '+'")
     if not torch.cuda.is_available() or not ws_gemm.AVAILABLE:
         print("ws_gemm_limits: needs a CUDA GPU and Triton 3.6's Gluon", file=sys.stderr)
