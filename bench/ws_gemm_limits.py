@@ -2,7 +2,8 @@
 each leave one part of the work out.
 
     PYTHONPATH=. python bench/ws_gemm_limits.py --out-dir OUT [--cases "deepseek_v3:8192;qwen3_30b_a3b:16384"]
-        [--variants shipped,store_mma,store_rows,narrow,no_rescale,no_loads,no_rescale+no_loads,no_store]
+        [--variants shipped,store_mma,store_rows,narrow,no_rescale,no_loads,no_rescale+no_loads,no_store,static,
+                    one_scale_row]
         [--routing even|uniform]
     python bench/ws_gemm_limits.py --plot OUT/ws_gemm_limits.json --png FIGURE.png   # no GPU; needs matplotlib
 
@@ -266,9 +267,10 @@ def main() -> int:
         plot(args.plot, args.png)
         return 0
     variants = args.variants.split(",")
-    unknown = [v for v in variants if v not in ("shipped", "static", *EXACT) and not set(v.split("+")) <= set(_EDITS)]
+    unedited = ("shipped", "static", *EXACT)  # the shipped kernel's source
+    unknown = [v for v in variants if v not in unedited and not set(v.split("+")) <= set(_EDITS)]
     if unknown:
-        ap.error(f"--variants: unknown {unknown}; expected shipped, static, {', '.join(EXACT)} or any of {sorted(_EDITS)} "
+        ap.error(f"--variants: unknown {unknown}; expected {', '.join(unedited)} or any of {sorted(_EDITS)} "
                  "joined by '+'")
     if not torch.cuda.is_available() or not ws_gemm.AVAILABLE:
         print("ws_gemm_limits: needs a CUDA GPU and Triton 3.6's Gluon", file=sys.stderr)
