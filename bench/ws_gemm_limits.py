@@ -124,6 +124,7 @@ _EDITS = {
 STORES = {"store_mma": 0, "store_rows": 1}  # variants of ws_gemm.EPILOGUE
 EXACT = (*STORES, "narrow")  # variants of the launch alone: the shipped kernel, its product
 SCALES = ("static", "one_scale_row")  # variants of the activation scales, with tiles as shipped
+UNEDITED = ("shipped", "static", *EXACT)  # variants that run the shipped kernel's source
 VARIANTS = ("shipped", *EXACT, "no_rescale", "no_loads", "no_rescale+no_loads", "no_store", *SCALES)
 ROUTINGS = ("even", "uniform")
 
@@ -133,7 +134,7 @@ def variant_kernel(variant: str, workdir: str):
     """The Gluon kernel of ``variant``: ``kernels/gluon_gemm.py``'s source with the
     variant's edits, loaded as a module of its own (the JIT reads its source file); one
     module per variant and run, so each compiles once per specialisation."""
-    if variant in ("shipped", "static") or variant in EXACT:
+    if variant in UNEDITED:
         return gluon_gemm._ws_gemm_kernel
     source = inspect.getsource(gluon_gemm)
     for part in variant.split("+"):
@@ -267,10 +268,9 @@ def main() -> int:
         plot(args.plot, args.png)
         return 0
     variants = args.variants.split(",")
-    unedited = ("shipped", "static", *EXACT)  # the shipped kernel's source
-    unknown = [v for v in variants if v not in unedited and not set(v.split("+")) <= set(_EDITS)]
+    unknown = [v for v in variants if v not in UNEDITED and not set(v.split("+")) <= set(_EDITS)]
     if unknown:
-        ap.error(f"--variants: unknown {unknown}; expected {', '.join(unedited)} or any of {sorted(_EDITS)} "
+        ap.error(f"--variants: unknown {unknown}; expected {', '.join(UNEDITED)} or any of {sorted(_EDITS)} "
                  "joined by '+'")
     if not torch.cuda.is_available() or not ws_gemm.AVAILABLE:
         print("ws_gemm_limits: needs a CUDA GPU and Triton 3.6's Gluon", file=sys.stderr)
