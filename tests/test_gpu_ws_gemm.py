@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from fp8_moe_ops import reference
-from fp8_moe_ops.kernels import ws_gemm
+from fp8_moe_ops.kernels import experts, ws_gemm
 
 from helpers import (EXPERTS_BOUND, GEMM_BOUND, make_expert_weights, make_experts_inputs, poison_free_memory, rel_err,
                      uneven_offsets)
@@ -162,3 +162,34 @@ def test_experts_equal_the_triton_kernels_bitwise(case, static, scales, ws_launc
         assert (got[0] == 0).all()
     assert torch.equal(OPS.batched_experts(**cuda), got)
     assert rel_err(got.cpu(), reference.grouped_experts(**args)) < EXPERTS_BOUND
+
+
+@pytest.mark.parametrize("case", list(EXPERT_CASES))
+def test_experts_scales_kmajor_equal_row_major_bitwise(case, ws_launches, monkeypatch):
+    # at prefill the gate_up GEMM's dynamic activation scales are laid out K-group major (a
+    # tile's rows side by side), which the sort's quantisation writes and the Gluon
+    # kernel's producer copies into shared memory; the down GEMM's stay row-major, which
+    # its consumers load.  All row-major, the same output, bitwise
+    T, E, H, I, k, block, routing = EXPERT_CASES[case]
+    args = make_experts_inputs(T, E, H, I, k, block, torch.bfloat16, torch.float32, False, routing, False, seed=T + 1)
+    cuda = {name: _cuda(v)[0] for name, v in args.items()}
+    kmajor_flags = []
+    real = ws_gemm.ws_gemm_call  # the fixture's counting wrapper
+
+    def recorded(*a, **kw):
+        call = real(*a, **kw)
+        kmajor_flags.append(call.constexprs["KMAJOR"])
+        return call
+
+    monkeypatch.setattr(ws_gemm, "ws_gemm_call", recorded)
+    assert experts._kmajor_scales(T * k)
+    poison_free_memory()
+    kmajor = OPS.grouped_experts(**cuda)
+    assert kmajor_flags == [True, False], "gate_up K-group major, down row-major"
+    with monkeypatch.context() as m:
+        m.setattr(experts, "_kmajor_scales", lambda S: False)
+        poison_free_memory()
+        row_major = OPS.grouped_experts(**cuda)
+    assert kmajor_flags[2:] == [False, False] and len(ws_launches) == 4
+    assert torch.equal(kmajor, row_major)
+    assert not kmajor.isnan().any()

@@ -401,6 +401,14 @@ def test_experts_gate_up_a_quantised_in_sorted_order_equals_gathered_bitwise(sta
     quant, gate_up = launched[0][:2]
     assert quant.constexprs["SLOTS"] and quant.constexprs["DEST"] and not gate_up.constexprs["GATHER_A"]
     assert quant.args[3].shape == (111, 64)  # q: one row per slot
+    if not static:  # its scales K-group major, as the prefill path lays them out (experts._kmajor_scales)
+        assert quant.args[4].shape == (111, 4) and quant.args[4].stride() == (1, 111)
+        assert gate_up.args[2] is quant.args[4] and gate_up.args[3:5] == (1, 111)
+        # the down GEMM's, which the activation writes, row-major (its rows are scattered)
+        act = next(c for c in launched[0] if c.kernel.__name__ == "_gated_act_quant_kernel")
+        down = [c for c in launched[0] if c.kernel.__name__ == "_grouped_gemm_kernel"][-1]
+        assert act.args[3].shape == (111, 3) and act.args[3].stride() == (3, 1) and act.args[4:6] == (3, 1)
+        assert down.args[2] is act.args[3] and down.args[3:5] == (3, 1) and down.constexprs["SCATTER_OUT"]
     assert torch.equal(in_place, gathered)
     assert gathered.abs().sum() > 0
 

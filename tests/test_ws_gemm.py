@@ -121,7 +121,7 @@ def test_tma_ready_needs_unit_k_stride_and_16_byte_rows():
     assert not ws_gemm.tma_ready(q.view(-1)[8:8 + 63 * 48].view(63, 48))  # base 8 bytes off
 
 
-def _gemm_call(monkeypatch, S=4096, E=4, N=256, K=512, out=None, **kw):
+def _gemm_call(monkeypatch, S=4096, E=4, N=256, K=512, out=None, qs=None, **kw):
     """``moe._gemm_call`` of a prefill-sized grouped GEMM on CPU tensors, with usable()
     seeing an H200 and told to take every GEMM it can run."""
     _on_fake_hopper(monkeypatch)
@@ -129,7 +129,8 @@ def _gemm_call(monkeypatch, S=4096, E=4, N=256, K=512, out=None, **kw):
     real = ws_gemm.usable
     monkeypatch.setattr(ws_gemm, "usable", lambda device, *a: real(CUDA, *a))
     w, ws = _weights(E, N, K)
-    q, qs = torch.zeros(S, K, dtype=FP8), torch.ones(S, K // 128)
+    q = torch.zeros(S, K, dtype=FP8)
+    qs = torch.ones(K // 128, S).t() if qs is None else qs  # scales K-group major, as at prefill
     offsets = torch.arange(1, E + 1, dtype=torch.int32) * (S // E)
     out = torch.empty(S, N, dtype=torch.bfloat16) if out is None else out
     return moe._gemm_call(q, qs, w, ws, (128, 128), out, offsets=offsets, **kw)
@@ -194,6 +195,19 @@ def test_gathered_or_fused_or_small_gemms_keep_the_triton_kernel(monkeypatch):
     assert _gemm_call(monkeypatch, K=520).kernel is _grouped_gemm_kernel  # 520-byte rows
 
 
+def test_ws_gemm_reads_activation_scales_either_way(monkeypatch):
+    # K-group major, the producer copies each K step's scales of a tile's rows (adjacent
+    # there) into shared memory; row-major, the consumers load them; static, one per expert
+    cases = {"kmajor": (torch.ones(4, 4096).t(), False, True, 4096), "row-major": (torch.ones(4096, 4), False, False, 4),
+             "static": (torch.ones(4), True, False, 0)}
+    for name, (qs, static, kmajor, stride) in cases.items():
+        call = _gemm_call(monkeypatch, qs=qs, static=static)
+        assert call.kernel is ws_gemm._ws_gemm_kernel, name
+        assert call.constexprs["KMAJOR"] == kmajor and call.args[1] is qs and call.args[2] == stride, name
+    assert ws_gemm.kmajor(torch.ones(3, 4096).t()) and not ws_gemm.kmajor(torch.ones(4096, 3))
+    assert not ws_gemm.kmajor(torch.ones(4096, 3)[::2])  # rows 2 apart: neither layout's unit stride
+
+
 def test_ws_kernel_compiles_for_sm90_without_a_gpu():
     # every scheme / scale / output form of the kernel, compiled for sm_90a as
     # bench/kernel_resources.py compiles the forward's launches
@@ -202,14 +216,16 @@ import sys; sys.path.insert(0, sys.argv[1])
 import torch, kernel_resources as kr
 from fp8_moe_ops.kernels import ws_gemm
 res = []  # with and without the two-step overlap (N = 384), and wide tiles (N = 256)
+# dynamic scales row-major where rows are scattered (as the down GEMM's), K-group major where in place
 for static, e8m0, scatter, lag, N in [(False, False, True, True, 384), (True, False, True, False, 384),
                                       (False, True, False, True, 384), (False, False, False, False, 384),
-                                      (False, False, True, True, 256), (True, True, False, True, 256)]:
+                                      (False, False, True, True, 256), (True, True, False, True, 256),
+                                      (False, False, False, True, 256)]:
     E, K, S = 4, 512, 4096
     w = torch.zeros(E, N, K, dtype=torch.float8_e4m3fn)
     ws = torch.ones(E, N // 128, 4, dtype=torch.uint8 if e8m0 else torch.float32)
     q = torch.zeros(S, K, dtype=torch.float8_e4m3fn)
-    qs = torch.ones(E) if static else torch.ones(S, 4)
+    qs = torch.ones(E) if static else torch.ones(S, 4) if scatter else torch.ones(4, S).t()
     ws_gemm.LAG = lag
     call = ws_gemm.ws_gemm_call(q, qs, w, ws, ws.stride(), (128, 128), torch.empty(S, N, dtype=torch.bfloat16),
                                 offsets=torch.ones(E, dtype=torch.int64), perm=torch.arange(S), scatter_out=scatter,
@@ -218,7 +234,7 @@ for static, e8m0, scatter, lag, N in [(False, False, True, True, 384), (True, Fa
 print(res)
 """
     res = printed_by_fresh_process(code)
-    assert len(res) == 6
+    assert len(res) == 7
     for i, r in enumerate(res):
         assert r["kernel"] == "_ws_gemm_kernel" and r["warps"] == 4
         # wide tiles with scattered rows spill a few per-tile values (their SASS, checked

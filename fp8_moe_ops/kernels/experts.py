@@ -62,7 +62,7 @@ from .combine import combine_call
 from .config import gemm_config
 from .launch import KernelCall, cached, launch, through_jit
 from .moe import Combine, Gated, _block, _flat, _gemm_call, _quant_call, down_split
-from .quant import quant_launch_shape
+from .quant import quant_launch_shape, scale_grid_strides
 from .sort import CNT_STEP, MAX_SLOTS, _sort_quant_kernel, sort_launch_shape
 
 __all__ = ["grouped_experts", "batched_experts", "experts_forward", "planned", "planned_experts", "ExpertsPlan"]
@@ -98,7 +98,8 @@ def _layout(T: int, k: int, E: int, H: int, I: int, bk: int, dtype: torch.dtype,
             static_down: bool, sorted_a: bool = False) -> Layout:
     """The forward's intermediate buffers; ``perm`` / ``offsets`` only where the
     one-launch sort runs (S <= 2048); ``sorted_a``: the gate_up GEMM's A stored per
-    expert-sorted slot (:func:`_sorted_a`)."""
+    expert-sorted slot (:func:`_sorted_a`); the dynamic scheme's activation scales
+    (rows, K groups) in the order :func:`_kmajor_scales` says."""
     S = T * k
     bufs = [("perm", torch.int32, (S,)), ("offsets", torch.int32, (E,))] if S <= MAX_SLOTS else []
     if S <= COMBINE_SLOTS:
@@ -117,9 +118,26 @@ def _layout(T: int, k: int, E: int, H: int, I: int, bk: int, dtype: torch.dtype,
     buffers, offset = [], 0
     for name, dt, shape in bufs:
         strides = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))  # contiguous
+        if name == "q_scale" and _kmajor_scales(S):
+            strides = (1, shape[0])
         buffers.append((name, dt, shape, strides, offset))
-        offset += cdiv(math.prod(shape) * dt.itemsize, _ALIGN) * _ALIGN
+        extent = 1 + sum((n - 1) * st for n, st in zip(shape, strides))  # elements from the first to the last
+        offset += cdiv(extent * dt.itemsize, _ALIGN) * _ALIGN
     return Layout(buffers, offset)
+
+
+def _kmajor_scales(S: int) -> bool:
+    """Whether the gate_up GEMM's dynamic activation scales (of a forward of S slots) are
+    laid out K-group major (strides (1, rows)) rather than row-major: at prefill (the
+    torch sort's path, S > 2048), where the Hopper GEMM (:mod:`.ws_gemm`) then copies
+    each K step's scales of a tile's rows (adjacent there) into shared memory beside its
+    A tile, measured faster than its consumers' reads of row-major scales where it stores
+    its rows in place (the GEMM ops' quantisation, ``moe._quantize``, follows the same
+    rule).  The down GEMM, which scatters its rows, measured slower with them
+    (docs/benchmarks.md): its scales, which the activation writes, stay row-major.  The
+    grouped Triton kernel reads either; at decode the fused kernels' few rows read them
+    row-major."""
+    return S > MAX_SLOTS
 
 
 def _counters(S: int, H: int, I: int, bk: int) -> tuple[int, int | None]:
@@ -151,7 +169,7 @@ def _sort_quant_call(ids, perm, offsets, counters, E: int, x, q, q_scale, bk: in
     cnt, cnt_block = (offsets if counters is None else counters, n_cnt), cdiv(n_cnt, step) * step
     return KernelCall(_sort_quant_kernel, (sort_programs + row_blocks * groups,), (
         ids, perm, offsets, *cnt, S, E, sort_programs,
-        x, x.stride(0), x.stride(1), q, q_scale, T, H, groups,
+        x, x.stride(0), x.stride(1), q, q_scale, *scale_grid_strides(q_scale, static), T, H, groups,
     ), dict(BLOCK=block, NB=bins, NUM_BLOCKS=nb, CNT_BLOCK=cnt_block, TOPK=k, KP=next_power_of_2(k), STATIC=static,
             GROUP=bk, BLOCK_R=block_r, BLOCK_G=block_g), {})
 

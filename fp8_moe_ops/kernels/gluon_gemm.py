@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -106,22 +107,37 @@ def _weight_scale(ptr, SCALE_E8M0: gl.constexpr):
 
 
 @gluon.jit
-def _act_scale(kg, as_row, rmask, a_s, STATIC: gl.constexpr):
-    """The rows' activation scales of K group ``kg``: their own, or ``a_s`` (the
-    expert's) when static."""
-    if STATIC:
-        return a_s
+def _row_scale(i, BK: gl.constexpr, BK_SCALE: gl.constexpr, as_row, rmask, ROW_MAJOR: gl.constexpr):
+    """K step ``i``'s activation scales of the rows, read from global memory where they
+    are laid out row-major (``as_row``: each row's first; issued before the step's MMAs,
+    whose run hides the load); else unused."""
+    if ROW_MAJOR:
+        return gl.load(as_row + (i * BK) // BK_SCALE, mask=rmask, other=0.0)
     else:
-        return gl.load(as_row + kg, mask=rmask, other=0.0)
+        return 0.0
 
 
 @gluon.jit
-def _step_scale(i, BK: gl.constexpr, BK_SCALE: gl.constexpr, ws_tile, stride_wsk, as_row, rmask, a_s,
-                STATIC: gl.constexpr, SCALE_E8M0: gl.constexpr):
-    """K step ``i``'s rescale of the tile's rows: activation scale (per row, or ``a_s``,
-    the expert's, when static) times the tile's weight scale."""
-    kg = (i * BK) // BK_SCALE
-    return _act_scale(kg, as_row, rmask, a_s, STATIC) * _weight_scale(ws_tile + kg * stride_wsk, SCALE_E8M0)
+def _act_scale(row_scale, as_smem, it, rmask, a_s, HALF: gl.constexpr, STAGES: gl.constexpr, STATIC: gl.constexpr,
+               KMAJOR: gl.constexpr):
+    """The rows' activation scales of ring position ``it`` (read once its ``ready``
+    barrier has passed): K-group major, those the producer copied beside the step's A
+    tile (0 for rows past the tile's expert); row-major, ``row_scale``
+    (:func:`_row_scale`); static, ``a_s`` (the expert's)."""
+    if STATIC:
+        return a_s
+    elif KMAJOR:
+        HM: gl.constexpr = rmask.type.shape[0]
+        v = as_smem.index(it % STAGES).slice(HALF * HM, HM).load(rmask.type.layout)
+        return gl.where(rmask, v, 0.0)
+    else:
+        return row_scale
+
+
+@gluon.jit
+def _step_weight_scale(i, BK: gl.constexpr, BK_SCALE: gl.constexpr, ws_tile, stride_wsk, SCALE_E8M0: gl.constexpr):
+    """K step ``i``'s weight scale of the tile (of its first block of columns)."""
+    return _weight_scale(ws_tile + ((i * BK) // BK_SCALE) * stride_wsk, SCALE_E8M0)
 
 
 @gluon.jit
@@ -145,7 +161,8 @@ def _start_mma(a_smem, w_smem, ready, it, zero, HALF: gl.constexpr, STAGES: gl.c
 def ring(a_desc, w_desc, STAGES: gl.constexpr):
     """The shared-memory ring of ``STAGES`` K steps: A and weight tiles, and per slot a
     ``ready`` mbarrier (the producer's TMA bytes arrived) and an ``empty`` one (both
-    consumer warpgroups are done with it)."""
+    consumer warpgroups are done with it).  (Activation scales laid out K-group major
+    have a ring beside it: :func:`_ws_gemm_kernel`.)"""
     a_smem = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -157,16 +174,32 @@ def ring(a_desc, w_desc, STAGES: gl.constexpr):
 
 
 @gluon.jit
-def load_tile(a_desc, w_desc, a_smem, w_smem, ready, empty, row0, wrow, KT, it, STAGES: gl.constexpr):
+def load_tile(a_desc, w_desc, a_smem, w_smem, ready, empty, row0, wrow, KT, it, STAGES: gl.constexpr,
+              as_ptr=None, as_smem=None, stride_ask=0, S=0, BK_SCALE: gl.constexpr = 128,
+              COPY_SCALES: gl.constexpr = False):
     """TMA loads of one tile's ``KT`` K steps (A rows from ``row0``, weight rows from
     ``wrow``) into the ring from its position ``it`` (K steps issued before); returns
-    the position after them."""
+    the position after them.  With ``COPY_SCALES``, ``as_ptr`` (the dynamic scheme's activation scales
+    of the S rows, K-group major: K group g's from ``g * stride_ask``) also each step's
+    scales of the tile's rows into ``as_smem``, on the same barrier: by ``cp.async``
+    (a tile's rows start anywhere, and TMA's innermost coordinate must be 16-byte
+    aligned), whose completion the barrier awaits beside the TMA bytes."""
     BK: gl.constexpr = a_desc.block_type.shape[1]
+    BM: gl.constexpr = a_desc.block_type.shape[0]
     nbytes: gl.constexpr = a_desc.block_type.nbytes + w_desc.block_type.nbytes
+    if COPY_SCALES:
+        lay: gl.constexpr = gl.BlockedLayout([BM // 32], [32], [1], [0])  # the producer is one warp
+        srows = row0 + gl.arange(0, BM, layout=lay)
     for i in range(KT):
         s = it % STAGES
         # the slot's previous K step (it - STAGES) must be released by both consumers
         mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1, pred=it >= STAGES)
+        if COPY_SCALES:
+            # each lane's copies, then its arrival once they land (the barrier's count raised by
+            # one before the expect's arrival below, so the phase waits for them)
+            async_copy.async_copy_global_to_shared(as_smem.index(s), as_ptr + ((i * BK) // BK_SCALE) * stride_ask
+                                                   + srows, mask=srows < S)
+            async_copy.mbarrier_arrive(ready.index(s))
         mbarrier.expect(ready.index(s), nbytes)
         tma.async_copy_global_to_shared(a_desc, [row0, i * BK], ready.index(s), a_smem.index(s))
         tma.async_copy_global_to_shared(w_desc, [wrow, i * BK], ready.index(s), w_smem.index(s))
@@ -175,8 +208,9 @@ def load_tile(a_desc, w_desc, a_smem, w_smem, ready, empty, row0, wrow, KT, it, 
 
 
 @gluon.jit
-def _producer(a_desc, w_desc, a_smem, w_smem, ready, empty, info, offsets_ptr, S, N, E, KT, num_pid_m,
-              EP: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+def _producer(a_desc, w_desc, a_smem, w_smem, ready, empty, info, as_ptr, as_smem, stride_as, offsets_ptr, S, N, E,
+              KT, num_pid_m, EP: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, BK_SCALE: gl.constexpr,
+              COPY_SCALES: gl.constexpr):
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BN: gl.constexpr = w_desc.block_type.shape[0]
     num_pid_n = gl.cdiv(N, BN)
@@ -194,15 +228,16 @@ def _producer(a_desc, w_desc, a_smem, w_smem, ready, empty, info, offsets_ptr, S
             s = it % STAGES
             mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1, pred=it >= STAGES)
             _put_tile(info, s, e, row0, row1)
-        it = load_tile(a_desc, w_desc, a_smem, w_smem, ready, empty, row0, e * N + pid_n * BN, kt, it, STAGES)
+        it = load_tile(a_desc, w_desc, a_smem, w_smem, ready, empty, row0, e * N + pid_n * BN, kt, it, STAGES,
+                       as_ptr, as_smem, stride_as, S, BK_SCALE, COPY_SCALES)
 
 
 @gluon.jit
-def _consumer(a_smem, w_smem, ready, empty, info, c_smem, as_ptr, stride_asm, ws_ptr, stride_wse, stride_wsn, stride_wsk,
-              out_ptr, stride_om, out_desc, perm_ptr, offsets_ptr, S, N, E, KT, num_pid_m, HALF: gl.constexpr,
-              STAGES: gl.constexpr, BN_SCALE: gl.constexpr, BK_SCALE: gl.constexpr, STATIC: gl.constexpr,
-              SCATTER_OUT: gl.constexpr, SCALE_E8M0: gl.constexpr, EP: gl.constexpr, GROUP_M: gl.constexpr,
-              LAG: gl.constexpr, EPILOGUE: gl.constexpr, WN: gl.constexpr):
+def _consumer(a_smem, w_smem, ready, empty, info, c_smem, as_ptr, stride_as, as_smem, ws_ptr, stride_wse, stride_wsn,
+              stride_wsk, out_ptr, stride_om, out_desc, perm_ptr, offsets_ptr, S, N, E, KT, num_pid_m,
+              HALF: gl.constexpr, STAGES: gl.constexpr, BN_SCALE: gl.constexpr, BK_SCALE: gl.constexpr,
+              STATIC: gl.constexpr, KMAJOR: gl.constexpr, SCATTER_OUT: gl.constexpr, SCALE_E8M0: gl.constexpr,
+              EP: gl.constexpr, GROUP_M: gl.constexpr, LAG: gl.constexpr, EPILOGUE: gl.constexpr, WN: gl.constexpr):
     BM: gl.constexpr = a_smem.type.shape[1]
     HM: gl.constexpr = BM // 2
     BK: gl.constexpr = a_smem.type.shape[2]
@@ -237,7 +272,8 @@ def _consumer(a_smem, w_smem, ready, empty, info, c_smem, as_ptr, stride_asm, ws
             a_s = gl.load(as_ptr + e + 0 * rows, mask=rmask, other=0.0)
         else:
             a_s = 0.0  # unused: the rows' own scales are read per K step
-        as_row = as_ptr + rows.to(gl.int64) * stride_asm
+        ROW_MAJOR: gl.constexpr = not STATIC and not KMAJOR
+        as_row = as_ptr + rows.to(gl.int64) * stride_as  # (row-major: each row's first scale)
         if SCATTER_OUT:  # the output rows, read before the K loop: the store does not wait for them
             orow = gl.load(perm_ptr + rows, mask=rmask, other=0)
         else:
@@ -250,11 +286,13 @@ def _consumer(a_smem, w_smem, ready, empty, info, c_smem, as_ptr, stride_asm, ws
             # per FLOP.  One MMA in flight at a time (two accumulators and two products
             # would not fit in the registers); the other warpgroup's MMAs overlap the FMAs
             for i in range(kt):
-                kg = (i * BK) // BK_SCALE
-                a_sc = _act_scale(kg, as_row, rmask, a_s, STATIC)
-                scale0 = a_sc * _weight_scale(ws_tile + kg * stride_wsk, SCALE_E8M0)
-                scale1 = a_sc * _weight_scale(ws_tile + ws_next + kg * stride_wsk, SCALE_E8M0)
+                w_s0 = _step_weight_scale(i, BK, BK_SCALE, ws_tile, stride_wsk, SCALE_E8M0)
+                w_s1 = _step_weight_scale(i, BK, BK_SCALE, ws_tile + ws_next, stride_wsk, SCALE_E8M0)
+                r_s = _row_scale(i, BK, BK_SCALE, as_row, rmask, ROW_MAJOR)
                 t = _start_mma(a_smem, w_smem, ready, it, zero, HALF, STAGES, 0, WN)
+                a_sc = _act_scale(r_s, as_smem, it, rmask, a_s, HALF, STAGES, STATIC, KMAJOR)
+                scale0 = a_sc * w_s0
+                scale1 = a_sc * w_s1
                 t = warpgroup_mma_wait(num_outstanding=0, deps=(t, ))
                 acc = acc + t * scale0[:, None]
                 t = _start_mma(a_smem, w_smem, ready, it, zero, HALF, STAGES, 1, WN)
@@ -267,11 +305,14 @@ def _consumer(a_smem, w_smem, ready, empty, info, c_smem, as_ptr, stride_asm, ws
                 # two K steps per trip: the second step's MMAs run while the first is rescaled
                 # (none in flight across the loop's back edge: ptxas would serialise every wgmma)
                 for i in range(0, kt - 1, 2):
-                    scale0 = _step_scale(i, BK, BK_SCALE, ws_tile, stride_wsk, as_row, rmask, a_s, STATIC, SCALE_E8M0)
-                    scale1 = _step_scale(i + 1, BK, BK_SCALE, ws_tile, stride_wsk, as_row, rmask, a_s, STATIC,
-                                         SCALE_E8M0)
+                    w_s0 = _step_weight_scale(i, BK, BK_SCALE, ws_tile, stride_wsk, SCALE_E8M0)
+                    w_s1 = _step_weight_scale(i + 1, BK, BK_SCALE, ws_tile, stride_wsk, SCALE_E8M0)
+                    r_s0 = _row_scale(i, BK, BK_SCALE, as_row, rmask, ROW_MAJOR)
+                    r_s1 = _row_scale(i + 1, BK, BK_SCALE, as_row, rmask, ROW_MAJOR)
                     t0 = _start_mma(a_smem, w_smem, ready, it, zero, HALF, STAGES)
                     t1 = _start_mma(a_smem, w_smem, ready, it + 1, zero, HALF, STAGES)
+                    scale0 = _act_scale(r_s0, as_smem, it, rmask, a_s, HALF, STAGES, STATIC, KMAJOR) * w_s0
+                    scale1 = _act_scale(r_s1, as_smem, it + 1, rmask, a_s, HALF, STAGES, STATIC, KMAJOR) * w_s1
                     t0 = warpgroup_mma_wait(num_outstanding=1, deps=(t0, ))
                     mbarrier.arrive(empty.index(it % STAGES), count=1)
                     acc = acc + t0 * scale0[:, None]
@@ -283,8 +324,10 @@ def _consumer(a_smem, w_smem, ready, empty, info, c_smem, as_ptr, stride_asm, ws
             else:
                 first = 0
             for i in range(first, kt):
-                scale = _step_scale(i, BK, BK_SCALE, ws_tile, stride_wsk, as_row, rmask, a_s, STATIC, SCALE_E8M0)
+                w_s = _step_weight_scale(i, BK, BK_SCALE, ws_tile, stride_wsk, SCALE_E8M0)
+                r_s = _row_scale(i, BK, BK_SCALE, as_row, rmask, ROW_MAJOR)
                 t = _start_mma(a_smem, w_smem, ready, it, zero, HALF, STAGES)
+                scale = _act_scale(r_s, as_smem, it, rmask, a_s, HALF, STAGES, STATIC, KMAJOR) * w_s
                 t = warpgroup_mma_wait(num_outstanding=0, deps=(t, ))
                 mbarrier.arrive(empty.index(it % STAGES), count=1)
                 acc = acc + t * scale[:, None]  # contracted to one FMA, as the grouped kernel's tl.fma
@@ -346,7 +389,8 @@ def _store_tile(vals, c_smem, out_ptr, stride_om, out_desc, orow, rmask, row0, r
 @gluon.jit
 def _ws_gemm_kernel(
     a_desc,                              # TMA: a (rows, K) e4m3, expert-sorted, tiles (128, 128)
-    as_ptr, stride_asm,                  # dynamic: (rows, ceil(K/bk)) f32; static: (E,) f32
+    as_ptr, stride_as,                   # dynamic: (rows, ceil(K/bk)) f32, row-major (strides (stride_as, 1)) or
+                                         # K-group major (KMAJOR: strides (1, stride_as)); static: (E,) f32, 0
     w_desc,                              # TMA: the (E * N, K) view of w (E, N, K), tiles (128 * WN, 128)
     ws_ptr, stride_wse, stride_wsn, stride_wsk,  # weight scale grid (0 strides broadcast)
     out_ptr, stride_om,                  # out (rows, N)
@@ -354,10 +398,10 @@ def _ws_gemm_kernel(
     perm_ptr,                            # (S,) sorted position -> slot (SCATTER_OUT)
     offsets_ptr,                         # (E,) int32 inclusive cumsum of rows per expert
     S, N, E, KT, num_pid_m,
-    BN_SCALE: gl.constexpr, BK_SCALE: gl.constexpr, STATIC: gl.constexpr, SCATTER_OUT: gl.constexpr,
-    SCALE_E8M0: gl.constexpr, EP: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, LAG: gl.constexpr, EPILOGUE: gl.constexpr,
-    WN: gl.constexpr,
+    BN_SCALE: gl.constexpr, BK_SCALE: gl.constexpr, STATIC: gl.constexpr, KMAJOR: gl.constexpr,
+    SCATTER_OUT: gl.constexpr, SCALE_E8M0: gl.constexpr, EP: gl.constexpr, GROUP_M: gl.constexpr,
+    STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, LAG: gl.constexpr,
+    EPILOGUE: gl.constexpr, WN: gl.constexpr,
 ):
     a_smem, w_smem, ready, empty = ring(a_desc, w_desc, STAGES)
     # per ring slot, the expert, first row and end row of the tile whose first K step it holds
@@ -366,15 +410,23 @@ def _ws_gemm_kernel(
         c_smem = gl.allocate_shared_memory(out_desc.dtype, [2 * WN] + out_desc.block_type.shape, out_desc.layout)
     else:
         c_smem = info  # unused
+    COPY_SCALES: gl.constexpr = KMAJOR and not STATIC
+    if COPY_SCALES:  # per ring slot, the K step's activation scales of the tile's rows
+        as_smem = gl.allocate_shared_memory(gl.float32, [STAGES, a_desc.block_type.shape[0]],
+                                            gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    else:
+        as_smem = info  # unused
     gl.warp_specialize([
-        (_consumer, (a_smem, w_smem, ready, empty, info, c_smem, as_ptr, stride_asm, ws_ptr, stride_wse, stride_wsn,
-                     stride_wsk, out_ptr, stride_om, out_desc, perm_ptr, offsets_ptr, S, N, E, KT, num_pid_m, 0,
-                     STAGES, BN_SCALE, BK_SCALE, STATIC, SCATTER_OUT, SCALE_E8M0, EP, GROUP_M, LAG, EPILOGUE, WN)),
-        (_consumer, (a_smem, w_smem, ready, empty, info, c_smem, as_ptr, stride_asm, ws_ptr, stride_wse, stride_wsn,
-                     stride_wsk, out_ptr, stride_om, out_desc, perm_ptr, offsets_ptr, S, N, E, KT, num_pid_m, 1,
-                     STAGES, BN_SCALE, BK_SCALE, STATIC, SCATTER_OUT, SCALE_E8M0, EP, GROUP_M, LAG, EPILOGUE, WN)),
-        (_producer, (a_desc, w_desc, a_smem, w_smem, ready, empty, info, offsets_ptr, S, N, E, KT, num_pid_m, EP, GROUP_M,
-                     STAGES)),
+        (_consumer, (a_smem, w_smem, ready, empty, info, c_smem, as_ptr, stride_as, as_smem, ws_ptr, stride_wse,
+                     stride_wsn, stride_wsk, out_ptr, stride_om, out_desc, perm_ptr, offsets_ptr, S, N, E, KT,
+                     num_pid_m, 0, STAGES, BN_SCALE, BK_SCALE, STATIC, COPY_SCALES, SCATTER_OUT, SCALE_E8M0, EP,
+                     GROUP_M, LAG, EPILOGUE, WN)),
+        (_consumer, (a_smem, w_smem, ready, empty, info, c_smem, as_ptr, stride_as, as_smem, ws_ptr, stride_wse,
+                     stride_wsn, stride_wsk, out_ptr, stride_om, out_desc, perm_ptr, offsets_ptr, S, N, E, KT,
+                     num_pid_m, 1, STAGES, BN_SCALE, BK_SCALE, STATIC, COPY_SCALES, SCATTER_OUT, SCALE_E8M0, EP,
+                     GROUP_M, LAG, EPILOGUE, WN)),
+        (_producer, (a_desc, w_desc, a_smem, w_smem, ready, empty, info, as_ptr, as_smem, stride_as, offsets_ptr,
+                     S, N, E, KT, num_pid_m, EP, GROUP_M, STAGES, BK_SCALE, COPY_SCALES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     for j in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(j))
@@ -393,3 +445,4 @@ def shared_layout(block_shape: list[int]):
 def out_layout(block_shape: list[int], dtype: torch.dtype):
     """The NVMMA shared layout of an output tile of ``block_shape`` and ``dtype``."""
     return gl.NVMMASharedLayout.get_default_for(block_shape, OUT_TYPES[dtype])
+

@@ -84,7 +84,7 @@ def load_weight_scale(ws_ptr, idx, mask, SCALE_E8M0: tl.constexpr):
 @triton.jit
 def _grouped_gemm_kernel(
     a_ptr, stride_am,                        # a (rows, K) e4m3, unit stride in K
-    a_scale_ptr, stride_asm,                 # dynamic: (rows, ceil(K/bk)) f32; static: (E,) f32
+    a_scale_ptr, stride_asm, stride_ask,     # dynamic: (rows, ceil(K/bk)) f32, either order; static: (E,) f32
     w_ptr,                                   # w (E, N, K) e4m3 contiguous; W_TABLE: (E,) int64 addresses of (N, K)
     ws_ptr, stride_wse, stride_wsn, stride_wsk,  # weight scale grid (0 strides broadcast); W_TABLE: (E,) addresses
     out_ptr, stride_om,                      # out (rows, N)
@@ -92,7 +92,8 @@ def _grouped_gemm_kernel(
     offsets_ptr,                             # (E,) int32 inclusive cumsum of rows per expert
     ids_ptr, tw_ptr, final_ptr, counter_ptr, T,  # COMBINE: (T, k) ids and weights, (T, N) output; counters
     part_ptr,                                # SPLIT > 1: (S, SPLIT, N) float32 partial sums
-    act_q_ptr, act_s_ptr, limit,             # GATED: (S, I) e4m3 out; dynamic (S, G) scales out, static (E,) in
+    act_q_ptr, act_s_ptr, stride_actm, stride_actk, limit,  # GATED: (S, I) e4m3 out; dynamic (S, G) scales
+                                             # out (strides), static (E,) in
     S, N, E, num_pid_m,
     K: tl.constexpr,  # constexpr: static trip count (and the interpreter cannot loop to a runtime int)
     TOPK: tl.constexpr, BN_SCALE: tl.constexpr, BK_SCALE: tl.constexpr,
@@ -231,14 +232,14 @@ def _grouped_gemm_kernel(
             if STATIC:
                 scale = (a_s * w_s)[:, None]
             else:
-                a_sv = tl.load(a_scale_ptr + arow * stride_asm + kg, mask=rmask, other=0.0)
+                a_sv = tl.load(a_scale_ptr + arow * stride_asm + kg * stride_ask, mask=rmask, other=0.0)
                 scale = (a_sv * w_s)[:, None]
         else:
             w_s = load_weight_scale(ws_row, kg * stride_wsk, nmask, SCALE_E8M0)
             if STATIC:
                 scale = a_s * w_s[None, :]
             else:
-                a_sv = tl.load(a_scale_ptr + arow * stride_asm + kg, mask=rmask, other=0.0)
+                a_sv = tl.load(a_scale_ptr + arow * stride_asm + kg * stride_ask, mask=rmask, other=0.0)
                 scale = a_sv[:, None] * w_s[None, :]
         # one FMA per element whatever the launch's fp_fusion: fused and unfused launches round alike
         acc = tl.fma(tl.dot(a, tl.trans(w)), tl.broadcast_to(scale, (BM, BN)), acc)
@@ -285,9 +286,9 @@ def _grouped_gemm_kernel(
                             act_rows = r0 + tl.arange(0, RB)
                             # each row's expert: the number of inclusive offsets <= row
                             expert = tl.sum(((ends[None, :] <= act_rows[:, None]) & emask[None, :]).to(tl.int32), 1)
-                            gated_act_quant(out_ptr, stride_om, act_q_ptr, act_s_ptr, act_s_ptr, act_rows,
-                                            act_rows < last, expert, g, I, limit, ACT, HAS_LIMIT, ACT_STATIC,
-                                            BK_SCALE, BLOCK_G)
+                            gated_act_quant(out_ptr, stride_om, act_q_ptr, act_s_ptr, stride_actm, stride_actk,
+                                            act_s_ptr, act_rows, act_rows < last, expert, g, I, limit, ACT,
+                                            HAS_LIMIT, ACT_STATIC, BK_SCALE, BLOCK_G)
 
 
 @triton.jit

@@ -23,7 +23,7 @@ from .combine import slots_block
 from .config import block_k, gemm_config
 from .grouped_gemm import WeightTable, _grouped_gemm_kernel, max_row_tiles
 from .launch import KernelCall, launch
-from .quant import _quant_kernel, quant_launch_shape
+from .quant import _quant_kernel, quant_launch_shape, scale_grid_strides
 from .sort import MAX_SLOTS, _sort_kernel, sort_launch_shape
 
 __all__ = ["linear", "grouped_mm", "batched_mm"]
@@ -82,7 +82,7 @@ def _quant_call(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, rows: int, bk
     E = num_experts if slots else offsets.shape[0] if offsets is not None else 1
     index = ids if slots else perm if perm is not None else q
     return KernelCall(_quant_kernel, grid, (
-        x, x.stride(0), x.stride(1), q, s,
+        x, x.stride(0), x.stride(1), q, s, *scale_grid_strides(s, static),
         index, offsets if offsets is not None else q, s, dest if dest is not None else q,
         rows, K, E,
     ), dict(TOPK=topk, KP=next_power_of_2(topk), GROUP=bk, BLOCK_R=block_r, BLOCK_G=block_g,
@@ -90,12 +90,22 @@ def _quant_call(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, rows: int, bk
         {})
 
 
-def _quantize(x, bk: int, rows: int, *, perm=None, offsets=None, act_scale=None, topk: int = 1):
+def _quantize(x, bk: int, rows: int, *, perm=None, offsets=None, act_scale=None, topk: int = 1,
+              in_place: bool = False):
     """:func:`_quant_call` into new tensors: dynamic -> (q, scale (rows, G)); static
-    (``act_scale`` (E,)) -> (q, act_scale)."""
+    (``act_scale`` (E,)) -> (q, act_scale).  With ``in_place`` (a grouped GEMM that
+    stores its rows in place reads them) the dynamic scales of more than ``MAX_SLOTS``
+    rows are laid out K-group major, as the Hopper GEMM reads them fastest there
+    (:func:`.ws_gemm.kmajor`; the experts forward's rule, ``experts._kmajor_scales``)."""
     static = act_scale is not None
     q = torch.empty((rows, x.shape[1]), dtype=torch.float8_e4m3fn, device=x.device)
-    s = act_scale if static else torch.empty((rows, cdiv(x.shape[1], bk)), dtype=torch.float32, device=x.device)
+    G = cdiv(x.shape[1], bk)
+    if static:
+        s = act_scale
+    elif in_place and rows > MAX_SLOTS:
+        s = torch.empty((G, rows), dtype=torch.float32, device=x.device).t()
+    else:
+        s = torch.empty((rows, G), dtype=torch.float32, device=x.device)
     launch(_quant_call(x, q, s, rows, bk, perm=perm, offsets=offsets, static=static, topk=topk))
     return q, s
 
@@ -121,7 +131,7 @@ class Gated(NamedTuple):
     """The gated activation and its quantisation in the gate_up GEMM's launch (``GATED``)."""
 
     a_q: torch.Tensor  # (S, I) e4m3 out
-    a_scale: torch.Tensor  # dynamic: (S, cdiv(I, bk)) float32 out; static: the (E,) input
+    a_scale: torch.Tensor  # dynamic: (S, cdiv(I, bk)) float32 out, any strides; static: the (E,) input
     counters: torch.Tensor  # int32, cdiv(I, bk) of them from `offset` on, zeroed before
     activation: str
     swiglu_limit: float | None
@@ -183,11 +193,12 @@ def _gemm_call(q, q_scale, w, w_scale, block, out, *, offsets=None, perm=None, g
         T, topk = ids.shape  # the down GEMM gathers nothing: TOPK is the combine's k
         tb, kp = next_power_of_2(T), slots_block(topk)
         options["enable_fp_fusion"] = False  # the combine rounds each product, as the reference
-    act, act_meta = (dummy, dummy, 0.0), dict(GATED=False, ACT=0, HAS_LIMIT=False, ACT_STATIC=False, NG=1, CNT_OFF=0,
-                                                ROWS=1, RB=1, BLOCK_G=1)
+    act = (dummy, dummy, 0, 0, 0.0)
+    act_meta = dict(GATED=False, ACT=0, HAS_LIMIT=False, ACT_STATIC=False, NG=1, CNT_OFF=0, ROWS=1, RB=1, BLOCK_G=1)
     if gated is not None:
         counters, limit = gated.counters, gated.swiglu_limit
-        act = (gated.a_q, gated.a_scale, float(limit) if limit is not None else 0.0)
+        act = (gated.a_q, gated.a_scale, *scale_grid_strides(gated.a_scale, gated.static),
+               float(limit) if limit is not None else 0.0)
         rows = next_power_of_2(S)
         act_meta = dict(GATED=True, ACT=ACT_IDS[gated.activation], HAS_LIMIT=limit is not None,
                         ACT_STATIC=gated.static, NG=cdiv(BN - 1, bk) + 1, CNT_OFF=gated.offset, ROWS=rows,
@@ -195,7 +206,7 @@ def _gemm_call(q, q_scale, w, w_scale, block, out, *, offsets=None, perm=None, g
         options["enable_fp_fusion"] = False  # as the activation kernel: the reference's roundings
     bk_step = block_k(bk)
     return KernelCall(_grouped_gemm_kernel, grid, (
-        q, q.stride(0), q_scale, q_scale.stride(0) if not static else 0,
+        q, q.stride(0), q_scale, *scale_grid_strides(q_scale, static),
         w, ws, *ws_strides,
         out, out.stride(0),
         perm if perm is not None else dummy, offsets if offsets is not None else dummy,
@@ -247,7 +258,7 @@ def grouped_mm(x, w, w_scale_inv, offsets, block_size, act_scale=None, out_dtype
         return out
     offsets, act_scale = _flat(offsets), _flat(act_scale)
     if act_scale is None:
-        q, qs = _quantize(x, block[1], S)
+        q, qs = _quantize(x, block[1], S, in_place=True)
     else:
         q, qs = _quantize(x, block[1], S, offsets=offsets, act_scale=act_scale)
     return _gemm(q, qs, w, w_scale_inv, block, out, offsets=offsets, static=act_scale is not None)

@@ -99,17 +99,18 @@ def quantize_dynamic(x):
 
 
 @triton.jit
-def quantize_and_store(x, rows, rmask, mask, cols, g, expert, q_ptr, s_ptr, act_scale_ptr, K,
+def quantize_and_store(x, rows, rmask, mask, cols, g, expert, q_ptr, s_ptr, stride_sm, stride_sk, act_scale_ptr, K,
                        GROUP: tl.constexpr, STATIC: tl.constexpr):
     """Quantise the float32 block ``x`` (BLOCK_R, BLOCK_G) = K group ``g`` of ``rows``
     (``mask``: its valid elements, 0 elsewhere) into q (R, K) and, dynamic, its scales
-    into s (R, ceil(K/GROUP)); static divides by the scale of each row's ``expert``."""
+    into s (R, ceil(K/GROUP)) of strides (``stride_sm``, ``stride_sk``); static divides
+    by the scale of each row's ``expert``."""
     if STATIC:
         scale = tl.load(act_scale_ptr + expert, mask=rmask, other=1.0)
         q = quantize_static(x, scale[:, None])
     else:
         q, s = quantize_dynamic(x)
-        tl.store(s_ptr + rows.to(tl.int64) * tl.cdiv(K, GROUP) + g, s, mask=rmask)
+        tl.store(s_ptr + rows.to(tl.int64) * stride_sm + g * stride_sk, s, mask=rmask)
     tl.store(q_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], q, mask=mask)
 
 
@@ -133,10 +134,10 @@ def expert_of_rows(rows, offsets_ptr, E, SEARCH_STEPS: tl.constexpr):
 
 
 @triton.jit
-def quant_block(pid_r, g, x_ptr, stride_xm, stride_xk, q_ptr, s_ptr, perm_ptr, offsets_ptr, act_scale_ptr, dest_ptr,
-                R, K, E, TOPK: tl.constexpr, KP: tl.constexpr, GROUP: tl.constexpr, BLOCK_R: tl.constexpr,
-                BLOCK_G: tl.constexpr, SEARCH_STEPS: tl.constexpr, STATIC: tl.constexpr, GATHER: tl.constexpr,
-                SLOTS: tl.constexpr, DEST: tl.constexpr):
+def quant_block(pid_r, g, x_ptr, stride_xm, stride_xk, q_ptr, s_ptr, stride_sm, stride_sk, perm_ptr, offsets_ptr,
+                act_scale_ptr, dest_ptr, R, K, E, TOPK: tl.constexpr, KP: tl.constexpr, GROUP: tl.constexpr,
+                BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, SEARCH_STEPS: tl.constexpr, STATIC: tl.constexpr,
+                GATHER: tl.constexpr, SLOTS: tl.constexpr, DEST: tl.constexpr):
     """Row block ``pid_r``, K group ``g``: dynamic quantises x's rows in place order;
     static, with the scale of each row's expert, either the expert-sorted rows (source
     row perm[i] // TOPK when GATHER) or, with SLOTS, x's R = T rows (tokens) into their
@@ -167,7 +168,8 @@ def quant_block(pid_r, g, x_ptr, stride_xm, stride_xk, q_ptr, s_ptr, perm_ptr, o
         else:
             q1, s = quantize_dynamic(x)
             q = tl.broadcast_to(q1[:, None, :], (BLOCK_R, KP, BLOCK_G))
-            tl.store(s_ptr + out_rows * tl.cdiv(K, GROUP) + g, tl.broadcast_to(s[:, None], (BLOCK_R, KP)), mask=smask)
+            tl.store(s_ptr + out_rows * stride_sm + g * stride_sk, tl.broadcast_to(s[:, None], (BLOCK_R, KP)),
+                     mask=smask)
         tl.store(q_ptr + out_rows[:, :, None] * K + cols[None, None, :], q,
                  mask=smask[:, :, None] & cmask[None, None, :])
     else:
@@ -180,14 +182,15 @@ def quant_block(pid_r, g, x_ptr, stride_xm, stride_xk, q_ptr, s_ptr, perm_ptr, o
                 src = tl.load(perm_ptr + rows, mask=rmask, other=0) // TOPK
         mask = rmask[:, None] & cmask[None, :]
         x = tl.load(x_ptr + src.to(tl.int64)[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask, other=0.0)
-        quantize_and_store(x.to(tl.float32), rows, rmask, mask, cols, g, expert, q_ptr, s_ptr, act_scale_ptr, K,
-                           GROUP=GROUP, STATIC=STATIC)
+        quantize_and_store(x.to(tl.float32), rows, rmask, mask, cols, g, expert, q_ptr, s_ptr, stride_sm, stride_sk,
+                           act_scale_ptr, K, GROUP=GROUP, STATIC=STATIC)
 
 
 @triton.jit
 def _quant_kernel(
     x_ptr, stride_xm, stride_xk,  # x (rows of the source, K) float
-    q_ptr, s_ptr,                  # q (R, K) e4m3 contiguous (SLOTS: (R * TOPK, K)); s (R, G) float32 (dynamic)
+    q_ptr,                         # q (R, K) e4m3 contiguous (SLOTS: (R * TOPK, K))
+    s_ptr, stride_sm, stride_sk,   # dynamic: s (R, G) float32, either order (grouped_mm: K-group major at prefill)
     perm_ptr, offsets_ptr, act_scale_ptr,
     dest_ptr,                      # SLOTS with DEST: (R * TOPK,) each slot's row of q (and s)
     R, K, E,
@@ -195,9 +198,16 @@ def _quant_kernel(
     SEARCH_STEPS: tl.constexpr, STATIC: tl.constexpr, GATHER: tl.constexpr, SLOTS: tl.constexpr, DEST: tl.constexpr,
 ):
     # program (row block, K group)
-    quant_block(tl.program_id(0), tl.program_id(1), x_ptr, stride_xm, stride_xk, q_ptr, s_ptr, perm_ptr, offsets_ptr,
-                act_scale_ptr, dest_ptr, R, K, E, TOPK, KP, GROUP, BLOCK_R, BLOCK_G, SEARCH_STEPS, STATIC, GATHER,
-                SLOTS, DEST)
+    quant_block(tl.program_id(0), tl.program_id(1), x_ptr, stride_xm, stride_xk, q_ptr, s_ptr, stride_sm, stride_sk,
+                perm_ptr, offsets_ptr, act_scale_ptr, dest_ptr, R, K, E, TOPK, KP, GROUP, BLOCK_R, BLOCK_G,
+                SEARCH_STEPS, STATIC, GATHER, SLOTS, DEST)
+
+
+def scale_grid_strides(s, static: bool) -> tuple[int, int]:
+    """The (row, K group) strides of a dynamic scheme's activation scales ``s``, as the
+    kernels take them; (0, 0) for a static scheme's (E,) scales, which they index by
+    expert."""
+    return (0, 0) if static else (s.stride(0), s.stride(1))
 
 
 def quant_launch_shape(rows: int, K: int, group: int, slots: int = 1) -> tuple[tuple[int, int], int, int]:

@@ -82,7 +82,7 @@ def _sort_kernel(ids_ptr, perm_ptr, offsets_ptr, cnt_ptr, n_cnt, S, E, BLOCK: tl
 
 @triton.jit
 def _sort_quant_kernel(ids_ptr, perm_ptr, offsets_ptr, cnt_ptr, n_cnt, S, E, sort_programs,
-                       x_ptr, stride_xm, stride_xk, q_ptr, s_ptr, R, K, groups,
+                       x_ptr, stride_xm, stride_xk, q_ptr, s_ptr, stride_sm, stride_sk, R, K, groups,
                        BLOCK: tl.constexpr, NB: tl.constexpr, NUM_BLOCKS: tl.constexpr, CNT_BLOCK: tl.constexpr,
                        TOPK: tl.constexpr, KP: tl.constexpr, STATIC: tl.constexpr, GROUP: tl.constexpr,
                        BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr):
@@ -97,9 +97,9 @@ def _sort_quant_kernel(ids_ptr, perm_ptr, offsets_ptr, cnt_ptr, n_cnt, S, E, sor
         sort_block(pid, ids_ptr, perm_ptr, offsets_ptr, cnt_ptr, n_cnt, S, E, BLOCK, NB, NUM_BLOCKS, CNT_BLOCK)
     else:
         j = pid - sort_programs
-        quant_block(j // groups, j % groups, x_ptr, stride_xm, stride_xk, q_ptr, s_ptr, ids_ptr, ids_ptr, s_ptr,
-                    ids_ptr, R, K, E, TOPK=TOPK, KP=KP, GROUP=GROUP, BLOCK_R=BLOCK_R, BLOCK_G=BLOCK_G, SEARCH_STEPS=1,
-                    STATIC=STATIC, GATHER=False, SLOTS=STATIC, DEST=False)
+        quant_block(j // groups, j % groups, x_ptr, stride_xm, stride_xk, q_ptr, s_ptr, stride_sm, stride_sk, ids_ptr,
+                    ids_ptr, s_ptr, ids_ptr, R, K, E, TOPK=TOPK, KP=KP, GROUP=GROUP, BLOCK_R=BLOCK_R, BLOCK_G=BLOCK_G,
+                    SEARCH_STEPS=1, STATIC=STATIC, GATHER=False, SLOTS=STATIC, DEST=False)
 
 
 def sort_launch_shape(S: int, E: int) -> tuple[tuple[int], int, int, int]:

@@ -17,7 +17,13 @@ Gluon (Triton's lower-level dialect, ``triton.experimental.gluon``, in the same 
   run while the other's MMAs do; with ``LAG`` each takes two K steps at a time: it
   issues both steps' MMAs, waits for the first's only, releases its slot (``empty``,
   two arrivals) and rescales it while the second's run, then the second (an odd last
-  step alone).  Without, it waits for each step's MMAs before it issues the next.
+  step alone).  Without, it waits for each step's MMAs before it issues the next;
+- the dynamic scheme's per-row activation scales: laid out K-group major (a tile's rows
+  of one K group side by side: the gate_up GEMM's at prefill), the producer copies each
+  K step's into a shared-memory slot beside its A tile (``cp.async``, completing on the
+  same ``ready`` barrier), measured faster where the rows are stored in place;
+  row-major (the down GEMM's, whose rows are scattered: the copy measured slower there),
+  the consumers load them from global memory before each step's MMAs.
 
 The launch is persistent: one program per SM (fewer where there are fewer tiles), each
 taking every grid-th tile in turn through one ring, so the producer loads the next
@@ -67,7 +73,7 @@ except (ImportError, AttributeError) as exc:  # a Triton whose Gluon differs: th
     _ws_gemm_kernel = None
     logging.getLogger(__name__).info("the Gluon prefill GEMM is unavailable (%s)", exc)
 
-__all__ = ["AVAILABLE", "usable", "tma_ready", "ws_gemm_call"]
+__all__ = ["AVAILABLE", "usable", "tma_ready", "kmajor", "ws_gemm_call"]
 
 # built and checked with Triton 3.6 (docs/gpu_check.md); another release's Gluon may
 # compile it otherwise, so there the Triton kernel runs every GEMM
@@ -133,6 +139,14 @@ def tma_ready(t: torch.Tensor) -> bool:
     return t.stride(1) == 1 and t.stride(0) * t.element_size() % 16 == 0 and t.data_ptr() % 16 == 0
 
 
+def kmajor(q_scale: torch.Tensor) -> bool:
+    """Whether the dynamic scheme's (rows, G) activation scales are laid out K-group
+    major (strides (1, at least rows)): the kernel's producer then copies each K step's
+    scales of a tile's rows (adjacent there) into shared memory beside its A tile;
+    row-major, the consumers read them from global memory."""
+    return q_scale.stride(0) == 1 and q_scale.stride(1) >= q_scale.shape[0]
+
+
 def ws_gemm_call(q, q_scale, w, ws, ws_strides, block, out, *, offsets, perm, scatter_out: bool, static: bool,
                  e8m0: bool, num_pid_m: int, group_m: int, max_programs: int | None) -> KernelCall:
     """The launch of :func:`_ws_gemm_kernel` (``ws``: the scale grid as the kernel reads
@@ -153,17 +167,18 @@ def ws_gemm_call(q, q_scale, w, ws, ws_strides, block, out, *, offsets, perm, sc
     epilogue = EPILOGUE
     if epilogue == 2 and (scatter_out or not tma_ready(out) or out.dtype not in OUT_TYPES):
         epilogue = 1  # rows scattered, or an output TMA cannot address
+    kmajor_scales = not static and kmajor(q_scale)
     out_desc = None
     if epilogue == 2:
         half = [TILE // 2, TILE]  # each consumer warpgroup stores its half
         out_desc = TensorDescriptor.from_tensor(out, half, out_layout(half, out.dtype))
     return KernelCall(_ws_gemm_kernel, grid, (
-        a_desc, q_scale, q_scale.stride(0) if not static else 0,
+        a_desc, q_scale, 0 if static else q_scale.stride(1) if kmajor_scales else q_scale.stride(0),
         w_desc, ws, *ws_strides,
         out, out.stride(0), out_desc,
         perm if perm is not None else out, offsets,
         S, N, E, triton.cdiv(K, TILE), num_pid_m,
-    ), dict(BN_SCALE=block[0], BK_SCALE=block[1], STATIC=static, SCATTER_OUT=scatter_out, SCALE_E8M0=e8m0,
-            EP=max(2, next_power_of_2(E)), GROUP_M=group_m, STAGES=STAGES if wn == 1 else WIDE_STAGES,
+    ), dict(BN_SCALE=block[0], BK_SCALE=block[1], STATIC=static, KMAJOR=kmajor_scales, SCATTER_OUT=scatter_out,
+            SCALE_E8M0=e8m0, EP=max(2, next_power_of_2(E)), GROUP_M=group_m, STAGES=STAGES if wn == 1 else WIDE_STAGES,
             CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, LAG=LAG and wn == 1, EPILOGUE=epilogue, WN=wn),
         dict(num_warps=4))
