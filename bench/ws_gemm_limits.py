@@ -3,13 +3,13 @@ each leave one part of the work out.
 
     PYTHONPATH=. python bench/ws_gemm_limits.py --out-dir OUT [--cases "deepseek_v3:8192;qwen3_30b_a3b:16384"]
         [--variants shipped,store_mma,store_rows,narrow,no_rescale,no_loads,no_rescale+no_loads,no_store,static,
-                    one_scale_row]
+                    kmajor,one_scale_row]
         [--routing even|uniform]
     python bench/ws_gemm_limits.py --plot OUT/ws_gemm_limits.json --png FIGURE.png   # no GPU; needs matplotlib
 
 For the gate_up (N = 2I, K = H) and down (N = H, K = I) GEMMs of each case (M = T * top_k
 rows, activations already sorted and quantised, dynamic scales), it times
-``kernels/gluon_gemm.py``'s kernel launched as the op launches it
+``kernels/gluon_gemm.py``'s kernel, with row-major activation scales (as the down GEMM reads them), launched as the op launches it
 (``ws_gemm.ws_gemm_call``: one program per SM), and copies of that source with one edit
 each, compiled beside it:
 
@@ -30,12 +30,15 @@ The edits below are made to the K loop of 128 x 128 tiles: these variants run wi
   predicated off (its layout conversion and address arithmetic stay);
 * ``a+b``: both edits.
 
-Two variants of the activation scales, with output tiles as shipped (128 x 256 where N
+Three variants of the activation scales, with output tiles as shipped (128 x 256 where N
 allows):
 
 * ``static``: the shipped kernel launched with static activation scales (one per expert,
   read once per tile) on the same fp8 bytes: what reading each row's own scale every K
   step costs;
+* ``kmajor``: the shipped kernel launched with the same scales laid out K-group major
+  (as the gate_up GEMM reads them at prefill), which its producer copies into shared
+  memory beside each K step's A tile;
 * ``one_scale_row``: every row of a tile reads its first row's scales (one address per
   load instead of up to 8 rows' cache lines per warp): what a scale layout with a tile's
   rows side by side could gain at most.
@@ -45,7 +48,7 @@ tiles where that is a multiple of 128), or as the layer benchmarks route them
 (``uniform``: the per-expert counts of ``common.make_routing``, so experts' last tiles
 are partly empty, as in a layer).
 
-Only ``shipped``, the two stores and ``narrow`` compute the product (``static`` computes one with other
+Only ``shipped``, the two stores, ``narrow`` and ``kmajor`` compute the product (``static`` computes one with other
 scales); the other variants' outputs are meaningless by design
 (the GPU tests check the shipped kernel against the reference).  Beside them, in the
 same run, the dense cuBLAS rates at the same M, N, K (``gemm_ceiling.py``'s block-scaled
@@ -78,11 +81,14 @@ CASES = {"deepseek_v3": [8192], "qwen3_30b_a3b": [16384]}
 _EDITS = {
     "no_rescale": [
         ("use_acc=False, is_async=True)", "use_acc=True, is_async=True)"),
-        ("""                    scale0 = _step_scale(i, BK, BK_SCALE, ws_tile, stride_wsk, as_row, rmask, a_s, STATIC, SCALE_E8M0)
-                    scale1 = _step_scale(i + 1, BK, BK_SCALE, ws_tile, stride_wsk, as_row, rmask, a_s, STATIC,
-                                         SCALE_E8M0)
+        ("""                    w_s0 = _step_weight_scale(i, BK, BK_SCALE, ws_tile, stride_wsk, SCALE_E8M0)
+                    w_s1 = _step_weight_scale(i + 1, BK, BK_SCALE, ws_tile, stride_wsk, SCALE_E8M0)
+                    r_s0 = _row_scale(i, BK, BK_SCALE, as_row, rmask, ROW_MAJOR)
+                    r_s1 = _row_scale(i + 1, BK, BK_SCALE, as_row, rmask, ROW_MAJOR)
                     t0 = _start_mma(a_smem, w_smem, ready, it, zero, HALF, STAGES)
                     t1 = _start_mma(a_smem, w_smem, ready, it + 1, zero, HALF, STAGES)
+                    scale0 = _act_scale(r_s0, as_smem, it, rmask, a_s, HALF, STAGES, STATIC, KMAJOR) * w_s0
+                    scale1 = _act_scale(r_s1, as_smem, it + 1, rmask, a_s, HALF, STAGES, STATIC, KMAJOR) * w_s1
                     t0 = warpgroup_mma_wait(num_outstanding=1, deps=(t0, ))
                     mbarrier.arrive(empty.index(it % STAGES), count=1)
                     acc = acc + t0 * scale0[:, None]
@@ -95,8 +101,10 @@ _EDITS = {
                     mbarrier.arrive(empty.index(it % STAGES), count=1)
                     mbarrier.arrive(empty.index((it + 1) % STAGES), count=1)
 """),
-        ("""                scale = _step_scale(i, BK, BK_SCALE, ws_tile, stride_wsk, as_row, rmask, a_s, STATIC, SCALE_E8M0)
+        ("""                w_s = _step_weight_scale(i, BK, BK_SCALE, ws_tile, stride_wsk, SCALE_E8M0)
+                r_s = _row_scale(i, BK, BK_SCALE, as_row, rmask, ROW_MAJOR)
                 t = _start_mma(a_smem, w_smem, ready, it, zero, HALF, STAGES)
+                scale = _act_scale(r_s, as_smem, it, rmask, a_s, HALF, STAGES, STATIC, KMAJOR) * w_s
                 t = warpgroup_mma_wait(num_outstanding=0, deps=(t, ))
                 mbarrier.arrive(empty.index(it % STAGES), count=1)
                 acc = acc + t * scale[:, None]  # contracted to one FMA, as the grouped kernel's tl.fma
@@ -113,8 +121,7 @@ _EDITS = {
 """),
     ],
     "one_scale_row": [
-        ("        as_row = as_ptr + rows.to(gl.int64) * stride_asm\n",
-         "        as_row = as_ptr + (rows * 0 + row0).to(gl.int64) * stride_asm\n"),
+        ("as_row = as_ptr + rows.to(gl.int64) * stride_as", "as_row = as_ptr + (rows * 0 + row0).to(gl.int64) * stride_as"),
     ],
     "no_store": [
         ("if (first + HM <= row1) | (row1 == S):", "if row0 < 0:"),
@@ -122,7 +129,7 @@ _EDITS = {
     ],
 }
 STORES = {"store_mma": 0, "store_rows": 1}  # variants of ws_gemm.EPILOGUE
-EXACT = (*STORES, "narrow")  # variants of the launch alone: the shipped kernel, its product
+EXACT = (*STORES, "narrow", "kmajor")  # variants of the launch alone: the shipped kernel, its product
 SCALES = ("static", "one_scale_row")  # variants of the activation scales, with tiles as shipped
 UNEDITED = ("shipped", "static", *EXACT)  # variants that run the shipped kernel's source
 VARIANTS = ("shipped", *EXACT, "no_rescale", "no_loads", "no_rescale+no_loads", "no_store", *SCALES)
@@ -168,16 +175,18 @@ def run_shape(runner: Runner, model, T: int, proj: str, N: int, K: int, variants
     a = (torch.randn(M, K, device="cuda", generator=gen, dtype=torch.bfloat16) * 32).to(FP8)
     sa = torch.rand(M, -(-K // 128), device="cuda", generator=gen) * 2e-3 + 1e-3
     sa_expert = torch.rand(model.E, device="cuda", generator=gen) * 2e-3 + 1e-3  # the ``static`` variant's
+    sa_kmajor = sa.t().contiguous().t()  # the ``kmajor`` variant's: the same scales, K-group major
     out = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
 
     def make_call(variant):
         real, real_wide = ws_gemm.EPILOGUE, ws_gemm.WIDE
         ws_gemm.EPILOGUE = STORES.get(variant, real)
         # the K-loop edits are to the narrow K loop; the scale variants' edit is to both
-        ws_gemm.WIDE = real_wide and variant in ("shipped", *STORES, *SCALES)
+        ws_gemm.WIDE = real_wide and variant in ("shipped", *STORES, "kmajor", *SCALES)
         static = variant == "static"
         try:
-            return ws_gemm.ws_gemm_call(a, sa_expert if static else sa, w, ws, ws.stride(), (128, 128), out,
+            scales = sa_expert if static else sa_kmajor if variant == "kmajor" else sa
+            return ws_gemm.ws_gemm_call(a, scales, w, ws, ws.stride(), (128, 128), out,
                                         offsets=offsets, perm=None, scatter_out=False, static=static, e8m0=False,
                                         num_pid_m=-(-M // 128) + model.E, group_m=8,
                                         max_programs=ws_gemm.programs(out.device))
