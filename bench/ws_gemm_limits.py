@@ -8,10 +8,10 @@ each leave one part of the work out.
     python bench/ws_gemm_limits.py --plot OUT/ws_gemm_limits.json --png FIGURE.png   # no GPU; needs matplotlib
 
 For the gate_up (N = 2I, K = H) and down (N = H, K = I) GEMMs of each case (M = T * top_k
-rows, activations already sorted and quantised, dynamic scales), it times
-``kernels/gluon_gemm.py``'s kernel, with row-major activation scales (as the down GEMM reads them), launched as the op launches it
-(``ws_gemm.ws_gemm_call``: one program per SM), and copies of that source with one edit
-each, compiled beside it:
+rows, activations already sorted and quantised, dynamic scales, row-major as the down
+GEMM reads them), it times ``kernels/gluon_gemm.py``'s kernel launched as the op launches
+it (``ws_gemm.ws_gemm_call``: one program per SM), and copies of that source with one
+edit each, compiled beside it:
 
 * ``store_mma`` / ``store_rows``: the shipped kernel with its output stored from the MMA
   layout (``ws_gemm.EPILOGUE`` 0) / as whole rows through shared memory (1), not by TMA;
@@ -121,7 +121,8 @@ _EDITS = {
 """),
     ],
     "one_scale_row": [
-        ("as_row = as_ptr + rows.to(gl.int64) * stride_as", "as_row = as_ptr + (rows * 0 + row0).to(gl.int64) * stride_as"),
+        ("as_row = as_ptr + rows.to(gl.int64) * stride_as",
+         "as_row = as_ptr + (rows * 0 + row0).to(gl.int64) * stride_as"),
     ],
     "no_store": [
         ("if (first + HM <= row1) | (row1 == S):", "if row0 < 0:"),

@@ -167,7 +167,7 @@ def test_experts_equal_the_triton_kernels_bitwise(case, static, scales, ws_launc
 @pytest.mark.parametrize("case", list(EXPERT_CASES))
 def test_experts_scales_kmajor_equal_row_major_bitwise(case, ws_launches, monkeypatch):
     # at prefill the gate_up GEMM's dynamic activation scales are laid out K-group major (a
-    # tile's rows side by side), which the sort's quantisation writes and the Gluon
+    # tile's rows side by side), which the quantisation kernel writes and the Gluon
     # kernel's producer copies into shared memory; the down GEMM's stay row-major, which
     # its consumers load.  All row-major, the same output, bitwise
     T, E, H, I, k, block, routing = EXPERT_CASES[case]

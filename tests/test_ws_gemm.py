@@ -198,7 +198,8 @@ def test_gathered_or_fused_or_small_gemms_keep_the_triton_kernel(monkeypatch):
 def test_ws_gemm_reads_activation_scales_either_way(monkeypatch):
     # K-group major, the producer copies each K step's scales of a tile's rows (adjacent
     # there) into shared memory; row-major, the consumers load them; static, one per expert
-    cases = {"kmajor": (torch.ones(4, 4096).t(), False, True, 4096), "row-major": (torch.ones(4096, 4), False, False, 4),
+    cases = {"kmajor": (torch.ones(4, 4096).t(), False, True, 4096),
+             "row-major": (torch.ones(4096, 4), False, False, 4),
              "static": (torch.ones(4), True, False, 0)}
     for name, (qs, static, kmajor, stride) in cases.items():
         call = _gemm_call(monkeypatch, qs=qs, static=static)

@@ -190,7 +190,7 @@ def quant_block(pid_r, g, x_ptr, stride_xm, stride_xk, q_ptr, s_ptr, stride_sm, 
 def _quant_kernel(
     x_ptr, stride_xm, stride_xk,  # x (rows of the source, K) float
     q_ptr,                         # q (R, K) e4m3 contiguous (SLOTS: (R * TOPK, K))
-    s_ptr, stride_sm, stride_sk,   # dynamic: s (R, G) float32, either order (grouped_mm: K-group major at prefill)
+    s_ptr, stride_sm, stride_sk,   # dynamic: s (R, G) float32, either order (K-group major at prefill: ws_gemm)
     perm_ptr, offsets_ptr, act_scale_ptr,
     dest_ptr,                      # SLOTS with DEST: (R * TOPK,) each slot's row of q (and s)
     R, K, E,
