@@ -205,6 +205,31 @@ def test_grouped_mm(counts, S, static, per_tensor):
     assert torch.equal(out[tail:], torch.zeros_like(out[tail:]))  # written, as zeros
 
 
+def test_grouped_mm_scales_kmajor_past_max_slots_equal_row_major_bitwise():
+    # past MAX_SLOTS rows (lowered here to an interpreter-sized 16) grouped_mm lays its
+    # dynamic scales out K-group major, as the Hopper GEMM reads them fastest; the Triton
+    # kernel reads them through their strides: the same output as row-major, bitwise
+    E, S, N, K, block = 3, 37, 24, 40, [16, 16]
+    gen = torch.Generator().manual_seed(37)
+    w, ws = _weights(gen, E, N, K, block)
+    x = torch.randn(S, K, generator=gen).to(torch.bfloat16)
+    offsets = _counts_to_offsets([11, 0, 20])
+    launched = []
+    real = moe._gemm_call
+
+    def spy(q, q_scale, *a, **k):
+        launched.append(q_scale.stride())
+        return real(q, q_scale, *a, **k)
+
+    with mock.patch.object(moe, "_gemm_call", spy):
+        row_major = kernels.grouped_mm(x, w, ws, offsets, block)
+        with mock.patch.object(moe, "MAX_SLOTS", 16):
+            kmajor = kernels.grouped_mm(x, w, ws, offsets, block)
+    assert launched == [(3, 1), (1, 37)]
+    assert torch.equal(kmajor, row_major) and row_major[:31].abs().sum() > 0
+    _ulp_close(kmajor, reference.grouped_mm(x, w, ws, offsets, block))
+
+
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
 @pytest.mark.parametrize("scale_dtype", [torch.float32, E8M0], ids=["f32", "ue8m0"])
 def test_batched_mm_with_sentinels(static, scale_dtype):

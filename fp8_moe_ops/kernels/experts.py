@@ -132,7 +132,7 @@ def _kmajor_scales(S: int) -> bool:
     torch sort's path, S > 2048), where the Hopper GEMM (:mod:`.ws_gemm`) then copies
     each K step's scales of a tile's rows (adjacent there) into shared memory beside its
     A tile, measured faster than its consumers' reads of row-major scales where it stores
-    its rows in place (the GEMM ops' quantisation, ``moe._quantize``, follows the same
+    its rows in place (``grouped_mm``'s quantisation, ``moe._quantize``, follows the same
     rule).  The down GEMM, which scatters its rows, measured slower with them
     (docs/benchmarks.md): its scales, which the activation writes, stay row-major.  The
     grouped Triton kernel reads either; at decode the fused kernels' few rows read them
