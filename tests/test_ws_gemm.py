@@ -6,6 +6,7 @@ by ``tests/test_kernels_interpreter.py``."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import triton
 
@@ -206,7 +207,16 @@ def test_ws_gemm_reads_activation_scales_either_way(monkeypatch):
         assert call.kernel is ws_gemm._ws_gemm_kernel, name
         assert call.constexprs["KMAJOR"] == kmajor and call.args[1] is qs and call.args[2] == stride, name
     assert ws_gemm.kmajor(torch.ones(3, 4096).t()) and not ws_gemm.kmajor(torch.ones(4096, 3))
-    assert not ws_gemm.kmajor(torch.ones(4096, 3)[::2])  # rows 2 apart: neither layout's unit stride
+    # K groups 2 apart: neither layout; the Triton kernel, which reads any strides, runs
+    strided = torch.ones(4096, 8)[:, ::2]
+    assert not ws_gemm.scales_readable(strided) and ws_gemm.scales_readable(torch.ones(4096, 8)[::2])
+    assert _gemm_call(monkeypatch, qs=strided).kernel is _grouped_gemm_kernel
+    w, ws = _weights(4, 256, 512)
+    with pytest.raises(ValueError, match=r"q_scale: expected .* row-major .* K-group major .* got strides \(8, 2\)"):
+        ws_gemm.ws_gemm_call(torch.zeros(4096, 512, dtype=FP8), strided, w, ws, ws.stride(), (128, 128),
+                             torch.empty(4096, 256, dtype=torch.bfloat16), offsets=torch.ones(4, dtype=torch.int32),
+                             perm=None, scatter_out=False, static=False, e8m0=False, num_pid_m=36, group_m=8,
+                             max_programs=132)
 
 
 def test_ws_kernel_compiles_for_sm90_without_a_gpu():

@@ -174,7 +174,8 @@ def _gemm_call(q, q_scale, w, w_scale, block, out, *, offsets=None, perm=None, g
         ws = w_scale.view(torch.uint8) if w_scale.dtype == torch.float8_e8m0fnu else w_scale
         ws_strides, one_scale_row = _scale_strides(w_scale), w_scale.shape[1] == 1
     if not table and combine is None and gated is None and not gather_a and offsets is not None \
-            and ws_gemm.usable(out.device, w, w_scale, block, cfg) and ws_gemm.tma_ready(q):
+            and ws_gemm.usable(out.device, w, w_scale, block, cfg) and ws_gemm.tma_ready(q) \
+            and (static or ws_gemm.scales_readable(q_scale)):
         return ws_gemm.ws_gemm_call(q, q_scale, w, ws, ws_strides, block, out, offsets=offsets, perm=perm,
                                     scatter_out=scatter_out, static=static, e8m0=e8m0, num_pid_m=num_pid_m,
                                     group_m=cfg["GROUP_M"], max_programs=ws_gemm.programs(out.device))

@@ -73,7 +73,7 @@ except (ImportError, AttributeError) as exc:  # a Triton whose Gluon differs: th
     _ws_gemm_kernel = None
     logging.getLogger(__name__).info("the Gluon prefill GEMM is unavailable (%s)", exc)
 
-__all__ = ["AVAILABLE", "usable", "tma_ready", "kmajor", "ws_gemm_call"]
+__all__ = ["AVAILABLE", "usable", "tma_ready", "kmajor", "scales_readable", "ws_gemm_call"]
 
 # built and checked with Triton 3.6 (docs/gpu_check.md); another release's Gluon may
 # compile it otherwise, so there the Triton kernel runs every GEMM
@@ -139,6 +139,13 @@ def tma_ready(t: torch.Tensor) -> bool:
     return t.stride(1) == 1 and t.stride(0) * t.element_size() % 16 == 0 and t.data_ptr() % 16 == 0
 
 
+def scales_readable(q_scale: torch.Tensor) -> bool:
+    """Whether the kernel reads the dynamic scheme's (rows, G) activation scales as laid
+    out: K-group major (:func:`kmajor`) or row-major with unit K-group stride (the
+    Triton kernel reads any strides)."""
+    return kmajor(q_scale) or q_scale.stride(1) == 1 or q_scale.shape[1] == 1
+
+
 def kmajor(q_scale: torch.Tensor) -> bool:
     """Whether the dynamic scheme's (rows, G) activation scales are laid out K-group
     major (strides (1, at least rows)): the kernel's producer then copies each K step's
@@ -167,6 +174,9 @@ def ws_gemm_call(q, q_scale, w, ws, ws_strides, block, out, *, offsets, perm, sc
     epilogue = EPILOGUE
     if epilogue == 2 and (scatter_out or not tma_ready(out) or out.dtype not in OUT_TYPES):
         epilogue = 1  # rows scattered, or an output TMA cannot address
+    if not static and not scales_readable(q_scale):
+        raise ValueError(f"q_scale: expected (rows, G) activation scales row-major (strides (>= G, 1)) or K-group "
+                         f"major (strides (1, >= rows)), got strides {tuple(q_scale.stride())}")
     kmajor_scales = not static and kmajor(q_scale)
     out_desc = None
     if epilogue == 2:
