@@ -432,7 +432,7 @@ def test_experts_gate_up_a_quantised_in_sorted_order_equals_gathered_bitwise(sta
         # the down GEMM's, which the activation writes, row-major (its rows are scattered)
         act = next(c for c in launched[0] if c.kernel.__name__ == "_gated_act_quant_kernel")
         down = [c for c in launched[0] if c.kernel.__name__ == "_grouped_gemm_kernel"][-1]
-        assert act.args[3].shape == (111, 3) and act.args[3].stride() == (3, 1) and act.args[4:6] == (3, 1)
+        assert act.args[3].shape == (111, 3) and act.args[3].stride() == (3, 1)  # it writes them contiguous
         assert down.args[2] is act.args[3] and down.args[3:5] == (3, 1) and down.constexprs["SCATTER_OUT"]
     assert torch.equal(in_place, gathered)
     assert gathered.abs().sum() > 0

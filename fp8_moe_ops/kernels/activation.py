@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from .launch import KernelCall
-from .quant import HW_CASTS, expert_of_rows, quant_launch_shape, quantize_and_store, round_to, scale_grid_strides
+from .quant import HW_CASTS, expert_of_rows, quant_launch_shape, quantize_and_store, round_to
 
 ACT_IDS = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3}
 
@@ -56,15 +56,13 @@ def _apply_activation(g, ACT: tl.constexpr):
 
 
 @triton.jit
-def gated_act_quant(h_ptr, stride_hm, q_ptr, s_ptr, stride_sm, stride_sk, act_scale_ptr, rows, rmask, expert, g, I,
-                    limit,
+def gated_act_quant(h_ptr, stride_hm, q_ptr, s_ptr, act_scale_ptr, rows, rmask, expert, g, I, limit,
                     ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, STATIC: tl.constexpr, GROUP: tl.constexpr,
                     BLOCK_G: tl.constexpr):
     """Group ``g`` (columns ``[g * GROUP, (g + 1) * GROUP)`` of I) of the sorted ``rows``
     (``rmask``: rows of an expert; ``expert``: each row's, read when STATIC) -> q, and
-    its scales into s (dynamic; strides ``stride_sm``, ``stride_sk``).  h is read past L1
-    (``.cg``): in the gate_up GEMM's fused activation other programs wrote it in the same
-    launch."""
+    its scales into s (dynamic).  h is read past L1 (``.cg``): in the gate_up GEMM's
+    fused activation other programs wrote it in the same launch."""
     cg = tl.arange(0, BLOCK_G)
     cols = g * GROUP + cg
     cmask = (cg < GROUP) & (cols < I)
@@ -77,15 +75,15 @@ def gated_act_quant(h_ptr, stride_hm, q_ptr, s_ptr, stride_sm, stride_sk, act_sc
         up = tl.clamp(up, -limit, limit)
     a = round_to(_apply_activation(gate, ACT) * up, h_ptr.dtype.element_ty).to(tl.float32)
     a = tl.where(mask, a, 0.0)
-    quantize_and_store(a, rows, rmask, mask, cols, g, expert, q_ptr, s_ptr, stride_sm, stride_sk, act_scale_ptr, I,
+    # its scales row-major, (S, ceil(I/GROUP)) contiguous: the down GEMM's layout (experts._kmajor_scales)
+    quantize_and_store(a, rows, rmask, mask, cols, g, expert, q_ptr, s_ptr, tl.cdiv(I, GROUP), 1, act_scale_ptr, I,
                        GROUP=GROUP, STATIC=STATIC)
 
 
 @triton.jit
 def _gated_act_quant_kernel(
     h_ptr, stride_hm,          # h (S, 2I) activation dtype, unit stride in columns
-    q_ptr,                     # q (S, I) e4m3
-    s_ptr, stride_sm, stride_sk,  # dynamic: s (S, ceil(I/bk)) float32, either order
+    q_ptr, s_ptr,              # q (S, I) e4m3; s (S, ceil(I/bk)) float32 (dynamic)
     offsets_ptr, act_scale_ptr,
     S, I, E, limit,
     ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, STATIC: tl.constexpr,
@@ -94,20 +92,19 @@ def _gated_act_quant_kernel(
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     # rows past offsets[-1] are sentinel slots: nothing downstream reads them
     expert = expert_of_rows(rows, offsets_ptr, E, SEARCH_STEPS)
-    gated_act_quant(h_ptr, stride_hm, q_ptr, s_ptr, stride_sm, stride_sk, act_scale_ptr, rows,
-                    (rows < S) & (expert < E), expert, tl.program_id(1), I, limit, ACT, HAS_LIMIT, STATIC, GROUP,
-                    BLOCK_G)
+    gated_act_quant(h_ptr, stride_hm, q_ptr, s_ptr, act_scale_ptr, rows, (rows < S) & (expert < E), expert,
+                    tl.program_id(1), I, limit, ACT, HAS_LIMIT, STATIC, GROUP, BLOCK_G)
 
 
 def gated_act_quant_call(h, a_q, a_s, offsets, num_experts: int, bk: int, activation: str, swiglu_limit,
                          static: bool) -> KernelCall:
     """The launch of :func:`_gated_act_quant_kernel` over the S sorted rows of h (S, 2I)
-    -> a_q (S, I) and, dynamic, its scales a_s (S, ceil(I/bk), any strides); static, a_s
-    is the (E,) input.  ``offsets``: the (E,) inclusive row ends of the experts."""
+    -> a_q (S, I) and, dynamic, its scales a_s (S, ceil(I/bk)); static, a_s is the (E,)
+    input.  ``offsets``: the (E,) inclusive row ends of the experts."""
     S, I = h.shape[0], h.shape[1] // 2
     grid, block_r, block_g = quant_launch_shape(S, I, bk)
     return KernelCall(_gated_act_quant_kernel, grid, (
-        h, h.stride(0), a_q, a_s, *scale_grid_strides(a_s, static), offsets, a_s, S, I, num_experts,
+        h, h.stride(0), a_q, a_s, offsets, a_s, S, I, num_experts,
         float(swiglu_limit) if swiglu_limit is not None else 0.0,
     ), dict(ACT=ACT_IDS[activation], HAS_LIMIT=swiglu_limit is not None, STATIC=static,
             GROUP=bk, BLOCK_R=block_r, BLOCK_G=block_g, SEARCH_STEPS=num_experts.bit_length()),

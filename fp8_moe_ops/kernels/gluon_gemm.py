@@ -445,4 +445,3 @@ def shared_layout(block_shape: list[int]):
 def out_layout(block_shape: list[int], dtype: torch.dtype):
     """The NVMMA shared layout of an output tile of ``block_shape`` and ``dtype``."""
     return gl.NVMMASharedLayout.get_default_for(block_shape, OUT_TYPES[dtype])
-

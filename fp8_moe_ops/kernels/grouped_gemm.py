@@ -92,8 +92,7 @@ def _grouped_gemm_kernel(
     offsets_ptr,                             # (E,) int32 inclusive cumsum of rows per expert
     ids_ptr, tw_ptr, final_ptr, counter_ptr, T,  # COMBINE: (T, k) ids and weights, (T, N) output; counters
     part_ptr,                                # SPLIT > 1: (S, SPLIT, N) float32 partial sums
-    act_q_ptr, act_s_ptr, stride_actm, stride_actk, limit,  # GATED: (S, I) e4m3 out; dynamic (S, G) scales
-                                             # out (strides), static (E,) in
+    act_q_ptr, act_s_ptr, limit,             # GATED: (S, I) e4m3 out; dynamic (S, G) scales out, static (E,) in
     S, N, E, num_pid_m,
     K: tl.constexpr,  # constexpr: static trip count (and the interpreter cannot loop to a runtime int)
     TOPK: tl.constexpr, BN_SCALE: tl.constexpr, BK_SCALE: tl.constexpr,
@@ -286,9 +285,9 @@ def _grouped_gemm_kernel(
                             act_rows = r0 + tl.arange(0, RB)
                             # each row's expert: the number of inclusive offsets <= row
                             expert = tl.sum(((ends[None, :] <= act_rows[:, None]) & emask[None, :]).to(tl.int32), 1)
-                            gated_act_quant(out_ptr, stride_om, act_q_ptr, act_s_ptr, stride_actm, stride_actk,
-                                            act_s_ptr, act_rows, act_rows < last, expert, g, I, limit, ACT,
-                                            HAS_LIMIT, ACT_STATIC, BK_SCALE, BLOCK_G)
+                            gated_act_quant(out_ptr, stride_om, act_q_ptr, act_s_ptr, act_s_ptr, act_rows,
+                                            act_rows < last, expert, g, I, limit, ACT, HAS_LIMIT, ACT_STATIC,
+                                            BK_SCALE, BLOCK_G)
 
 
 @triton.jit

@@ -131,7 +131,7 @@ class Gated(NamedTuple):
     """The gated activation and its quantisation in the gate_up GEMM's launch (``GATED``)."""
 
     a_q: torch.Tensor  # (S, I) e4m3 out
-    a_scale: torch.Tensor  # dynamic: (S, cdiv(I, bk)) float32 out, any strides; static: the (E,) input
+    a_scale: torch.Tensor  # dynamic: (S, cdiv(I, bk)) float32 out; static: the (E,) input
     counters: torch.Tensor  # int32, cdiv(I, bk) of them from `offset` on, zeroed before
     activation: str
     swiglu_limit: float | None
@@ -194,12 +194,11 @@ def _gemm_call(q, q_scale, w, w_scale, block, out, *, offsets=None, perm=None, g
         T, topk = ids.shape  # the down GEMM gathers nothing: TOPK is the combine's k
         tb, kp = next_power_of_2(T), slots_block(topk)
         options["enable_fp_fusion"] = False  # the combine rounds each product, as the reference
-    act = (dummy, dummy, 0, 0, 0.0)
-    act_meta = dict(GATED=False, ACT=0, HAS_LIMIT=False, ACT_STATIC=False, NG=1, CNT_OFF=0, ROWS=1, RB=1, BLOCK_G=1)
+    act, act_meta = (dummy, dummy, 0.0), dict(GATED=False, ACT=0, HAS_LIMIT=False, ACT_STATIC=False, NG=1, CNT_OFF=0,
+                                                ROWS=1, RB=1, BLOCK_G=1)
     if gated is not None:
         counters, limit = gated.counters, gated.swiglu_limit
-        act = (gated.a_q, gated.a_scale, *scale_grid_strides(gated.a_scale, gated.static),
-               float(limit) if limit is not None else 0.0)
+        act = (gated.a_q, gated.a_scale, float(limit) if limit is not None else 0.0)
         rows = next_power_of_2(S)
         act_meta = dict(GATED=True, ACT=ACT_IDS[gated.activation], HAS_LIMIT=limit is not None,
                         ACT_STATIC=gated.static, NG=cdiv(BN - 1, bk) + 1, CNT_OFF=gated.offset, ROWS=rows,
