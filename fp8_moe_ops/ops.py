@@ -281,17 +281,6 @@ def _check_experts_values(gate_up_scale_inv, down_scale_inv, gate_up_act_scale, 
 _LIB = torch.library.Library("fp8_moe", "FRAGMENT")  # the experts ops (kept alive: it owns the registrations)
 
 
-def planned_call(plans: dict, check, args: tuple) -> torch.Tensor:
-    """One CUDA call of a stacked experts op through its table of launch plans
-    (:func:`meta_key` -> state, ``fp8_moe_ops.kernels.experts.planned``): the first call of
-    a key runs ``check`` and the forward, the second records the launches, later calls
-    replay them."""
-    key = meta_key(args)
-    if key not in plans:
-        check(*args)
-    return _kernels().planned_experts(plans, key, args)
-
-
 class _NoAutograd(torch.autograd.Function):
     """An experts op called with inputs that require grad: the forward runs as usual;
     a backward through it raises (the ops are inference-only) instead of producing a
@@ -318,12 +307,13 @@ def _experts_op(name: str, schema: str, check, value_check, *, cuda_check=None):
     ``bench/host_parts.py``), a third of a decode step's budget; the autograd kernel
     here costs about 3 µs (measured on the CPU machine).  On CUDA the metadata checks
     run on the first call of each :func:`meta_key`, and its second call records the
-    launches as a plan that later calls of the key replay (:func:`planned_call`); or,
+    launches as a plan that later calls of the key replay
+    (``fp8_moe_ops.kernels.StackedPlans``, made on the first CUDA call); or,
     given ``cuda_check``, every CUDA call runs it and goes to the kernel, which keeps
     its own plans.  The value checks run on CPU only."""
     _LIB.define(name + schema)
     op = getattr(torch.ops.fp8_moe, name).default
-    plans: dict = {}  # meta_key -> plan state (planned_call)
+    plans = None  # the op's StackedPlans, made on its first CUDA call (Triton is imported then)
 
     def autograd_impl(keyset, *args):
         # the dispatcher passes every argument positionally (the schema has no keyword-only ones)
@@ -352,7 +342,10 @@ def _experts_op(name: str, schema: str, check, value_check, *, cuda_check=None):
         if cuda_check is not None:
             cuda_check(*args)
             return getattr(_kernels(), name)(*args)
-        return planned_call(plans, check, args)
+        nonlocal plans
+        if plans is None:
+            plans = _kernels().StackedPlans(check)
+        return plans(args)
 
     backends = {torch._C.DispatchKey.CPU: cpu_impl, torch._C.DispatchKey.CUDA: cuda_impl}
 

@@ -489,29 +489,69 @@ def test_plan_replays_the_forward_bitwise(case, static, scale_dtype):
 
 
 def test_op_records_a_plan_on_a_signatures_second_call():
-    # the CUDA kernel of the stacked ops (ops.planned_call), driven here with CPU tensors
-    # and the interpreted kernels: check + forward, then record, then replay
+    # the CUDA kernel of the stacked ops (kernels.StackedPlans), driven here with CPU
+    # tensors and the interpreted kernels: check + forward, then record, then replay
     from fp8_moe_ops import ops
     from fp8_moe_ops.kernels.experts import ExpertsPlan
 
-    plans, checked = {}, []
+    checked = []
 
     def check(*args):
         checked.append(True)
         ops.check_experts(*args)
 
+    plans = kernels.StackedPlans(check)
     calls = [_positional(*_experts_args("sentinels", torch.bfloat16, torch.float32, False, seed=s)) for s in (41, 42, 43)]
     states = []
     for args in calls:
-        assert torch.equal(ops.planned_call(plans, check, args), kernels.grouped_experts(*args))
-        states.append(type(next(iter(plans.values()))))
+        assert torch.equal(plans(args), kernels.grouped_experts(*args))
+        states.append(type(next(iter(plans.states.values()))))
     assert states == [type(None), ExpertsPlan, ExpertsPlan]
-    assert len(plans) == 1 and len(checked) == 1
+    assert len(plans.states) == 1 and len(checked) == 1
     bad = list(calls[0])
     bad[2] = bad[2][:, :1]  # top_k_weights of another shape: a new key, checked, rejected
     with pytest.raises(ValueError, match="top_k_weights"):
-        ops.planned_call(plans, check, tuple(bad))
-    assert len(plans) == 1
+        plans(tuple(bad))
+    assert len(plans.states) == 1
+
+
+def test_op_replays_a_plan_behind_its_metadata_guard():
+    # once a key has a plan, a call with the same metadata skips the Python key (a C++
+    # guard of the tensors' metadata and their alignment decide); a call that differs in
+    # anything the key holds still takes the keyed path: checked, or its own key
+    from fp8_moe_ops import ops
+    from fp8_moe_ops._checks import meta_key
+    from fp8_moe_ops.kernels import experts
+
+    if ops.metadata_guard([torch.zeros(1)]) is None:
+        pytest.skip("this torch has no C++ tensor-metadata guard")
+    plans = kernels.StackedPlans(ops.check_experts)
+    calls = [_positional(*_experts_args("sentinels", torch.bfloat16, torch.float32, False, seed=s)) for s in (51, 52, 53)]
+    for args in calls[:2]:
+        plans(args)
+    with mock.patch.object(experts, "meta_key", wraps=meta_key) as keyed:
+        assert torch.equal(plans(calls[2]), kernels.grouped_experts(*calls[2]))
+        assert keyed.call_count == 0
+        bad = list(calls[2])
+        bad[2] = bad[2].double()  # top_k_weights' dtype: the guard refuses, the check raises
+        with pytest.raises(TypeError, match="top_k_weights"):
+            plans(tuple(bad))
+        assert keyed.call_count == 1
+        shifted = list(calls[2])  # hidden 2 bytes past a 16-byte boundary: its own key
+        hidden = shifted[0]
+        shifted[0] = torch.empty(hidden.numel() + 1, dtype=hidden.dtype)[1:].view(hidden.shape).copy_(hidden)
+        assert torch.equal(plans(tuple(shifted)), kernels.grouped_experts(*calls[2]))
+        assert keyed.call_count == 2
+        assert torch.equal(plans(calls[0]), kernels.grouped_experts(*calls[0]))
+        assert keyed.call_count == 2
+        # the weights as Parameters (another type, so another guard) share the plan, and
+        # are remembered beside the plain tensors: both replay without the key from then on
+        params = list(calls[1])
+        params[3:7] = [torch.nn.Parameter(t, requires_grad=False) for t in params[3:7]]
+        for _ in range(2):
+            assert torch.equal(plans(tuple(params)), kernels.grouped_experts(*calls[1]))
+        assert torch.equal(plans(calls[1]), kernels.grouped_experts(*calls[1]))
+        assert keyed.call_count == 3 and len(plans.states) == 2
 
 
 def test_plan_of_strided_arguments_reads_each_calls_copy():

@@ -10,9 +10,9 @@ source :mod:`.gluon_gemm`),
 plans), :mod:`.moe_list` (the entry point on per-expert weight lists).
 """
 
-from .experts import batched_experts, grouped_experts, planned_experts
+from .experts import StackedPlans, batched_experts, grouped_experts, planned_experts
 from .moe import batched_mm, grouped_mm, linear
 from .moe_list import grouped_experts_list
 
 __all__ = ["linear", "grouped_mm", "batched_mm", "grouped_experts", "batched_experts", "grouped_experts_list",
-           "planned_experts"]
+           "planned_experts", "StackedPlans"]

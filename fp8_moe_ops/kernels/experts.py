@@ -34,9 +34,10 @@ second: :func:`planned`) runs the forward as above and records it as an
 :class:`ExpertsPlan`: per kernel, the
 compiled binary's launcher and its full argument list, each tensor argument replaced by
 its source (one of the call's tensors as the kernels read them, the output, or a
-workspace buffer).  A later call with the same signature (``fp8_moe_ops.ops`` keys the
-stacked ops' plans on every tensor's dtype, shape, strides, device and 16-byte alignment
-and every other argument's value; :mod:`.moe_list` keys its own) makes its sources with
+workspace buffer).  A later call with the same signature (the stacked ops key their plans
+on every tensor's dtype, shape, strides, device and 16-byte alignment and every other
+argument's value, found through a C++ guard of the tensors' metadata once a plan exists:
+:class:`StackedPlans`; :mod:`.moe_list` keys its own) makes its sources with
 the same function (a strided ``top_k_index`` is copied dense on every call, as in the
 forward), allocates the output and one workspace and hands each launcher its list with
 the sources' addresses filled in: no launch config, grid, view or cache key is computed
@@ -47,6 +48,7 @@ a launch is a Gluon kernel's (:func:`.launch.through_jit`).
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 from typing import NamedTuple
@@ -55,6 +57,7 @@ import torch
 from triton.runtime import driver
 
 from .. import routing
+from .._checks import meta_key, metadata_guard
 from ..functional import cdiv, next_power_of_2
 from . import ws_gemm
 from .activation import gated_act_quant_call
@@ -65,7 +68,8 @@ from .moe import Combine, Gated, _block, _flat, _gemm_call, _quant_call, down_sp
 from .quant import quant_launch_shape, scale_grid_strides
 from .sort import CNT_STEP, MAX_SLOTS, _sort_quant_kernel, sort_launch_shape
 
-__all__ = ["grouped_experts", "batched_experts", "experts_forward", "planned", "planned_experts", "ExpertsPlan"]
+__all__ = ["grouped_experts", "batched_experts", "experts_forward", "planned", "planned_experts", "ExpertsPlan",
+           "StackedPlans"]
 
 _ALIGN = 256  # bytes from one workspace buffer to the next (the kernels need 16)
 # at most this many slots: the combine runs in the down GEMM's launch (the last program of a
@@ -409,11 +413,16 @@ class ExpertsPlan:
             steps.append((launcher, entry.grid, head, _picker(picks)))
         return cls(steps, layout, device, constants)
 
-    def run(self, inputs: list, hidden: torch.Tensor) -> torch.Tensor | None:
+    def run(self, inputs: list, hidden: torch.Tensor, aligned: bool = False) -> torch.Tensor | None:
         """The forward on ``inputs`` (the sources' values, in the recorded order);
-        None when the current CUDA device is not the plan's."""
+        None when the current CUDA device is not the plan's, or, given ``aligned``, when
+        an input's address is not a multiple of 16 bytes (a caller that keyed the plan
+        on everything but the addresses, knowing the recorded inputs were aligned)."""
         device = self.device
         if device is not None and driver.active.get_current_device() != device:
+            return None
+        values = [None if t is None else t.data_ptr() for t in inputs]
+        if aligned and functools.reduce(operator.or_, filter(None, values), 0) & 15:
             return None
         out = torch.empty_like(hidden, memory_format=torch.contiguous_format)
         ws = torch.empty(self._layout.nbytes, dtype=torch.uint8, device=hidden.device)
@@ -423,7 +432,6 @@ class ExpertsPlan:
                 entry(*(tensors[a] if type(a) is _Source else a for a in template))
             return out
         base = ws.data_ptr()
-        values = [None if t is None else t.data_ptr() for t in inputs]
         values.append(out.data_ptr())
         values += [base + off for off in self._offsets]
         values += self._constants
@@ -473,3 +481,72 @@ def planned_experts(states: dict, key, args: tuple) -> torch.Tensor:
     16-byte alignment and every other argument's value (``fp8_moe_ops.ops`` keys on them)."""
     sources = _stacked_sources(args)
     return planned(states, key, sources, args[0], lambda: _stacked(args, sources))
+
+
+class StackedPlans:
+    """The CUDA calls of one stacked experts op (``grouped_experts`` or
+    ``batched_experts``) through its launch plans.  ``plans(args)`` (the twelve
+    arguments in schema order) runs ``check`` on the first call of each
+    :func:`~fp8_moe_ops._checks.meta_key`, and :func:`planned_experts` under that key.
+
+    :func:`meta_key` reads five attributes of each of seven to nine tensors in Python:
+    4-5 µs of CPU a call on the CPU machine, about 10 µs on the H200's host.  So once a
+    key has a plan, a call whose sources are the arguments themselves (no strided
+    routing tensor copied dense) and all 16-byte aligned is remembered under a cheaper
+    key (hidden's shape, the other arguments' values and which act scales are given)
+    with a C++ guard of its tensors' metadata (:func:`metadata_guard`: dtype, device,
+    shape, strides, dispatch keys, requires_grad).  A later call under that key whose
+    tensors pass the guard and whose addresses are 16-byte aligned has the plan's
+    meta_key and replays the plan at once; any other call takes the path above.  A few
+    guards per cheap key (one model may pass Parameters in one layer and plain tensors
+    in another); none where torch offers no such guard."""
+
+    GUARDS_PER_KEY = 4
+    MAX_KEYS = 256  # cheap keys; cleared when full (a model has a handful)
+
+    def __init__(self, check):
+        self._check = check
+        self.states: dict = {}  # meta_key -> plan state (planned)
+        self._replays: dict = {}  # cheap key -> [(guard, tensors of args, sources of args, plan)], newest last
+
+    def __call__(self, args: tuple) -> torch.Tensor:
+        hidden = args[0]
+        cheap = (hidden.shape, *args[7], args[8], args[11], args[9] is None, args[10] is None)
+        guarded = False  # whether a remembered call's guard passed (its plan did not replay)
+        for guard, tensors_of, sources_of, plan in reversed(self._replays.get(cheap, ())):
+            if guard(*tensors_of(args)):
+                out = plan.run(sources_of(args), hidden, aligned=True)
+                if out is not None:
+                    return out
+                guarded = True  # unaligned, or another current device: the keyed path
+                break
+        key = meta_key(args)
+        if key not in self.states:
+            self._check(*args)
+        sources = _stacked_sources(args)
+        out = planned(self.states, key, sources, hidden, lambda: _stacked(args, sources))
+        plan = self.states.get(key)
+        if isinstance(plan, ExpertsPlan) and not guarded:
+            self._remember(cheap, args, sources, plan)
+        return out
+
+    def _remember(self, cheap: tuple, args: tuple, sources: dict, plan: ExpertsPlan) -> None:
+        at = {name: i for i, name in enumerate(ARG_NAMES)}
+        for name, t in sources.items():
+            a = args[at[name]]
+            if t is None or a is None:
+                if t is not a:
+                    return
+            # a GPU plan reads its sources' addresses: a view of the argument (UE8M0 scales
+            # as bytes, flattened act scales) is the argument; the interpreter reads the
+            # tensors themselves
+            elif (t is not a if plan.device is None else t.data_ptr() != a.data_ptr()) or a.data_ptr() % 16:
+                return  # a source copied from its argument, or unaligned: replays take the keyed path
+        given = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        guard = metadata_guard([args[i] for i in given])
+        if guard is None:
+            return
+        if cheap not in self._replays and len(self._replays) >= self.MAX_KEYS:
+            self._replays.clear()
+        entry = (guard, operator.itemgetter(*given), _picker([at[name] for name in sources]), plan)
+        self._replays[cheap] = [*self._replays.get(cheap, ()), entry][-self.GUARDS_PER_KEY:]
