@@ -13,6 +13,7 @@ in ``forward`` and in ``load_state_dict``, so misuse never runs silently.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -26,6 +27,7 @@ from ._checks import (
     check_scale_dtype,
     check_swiglu_limit,
     fail,
+    metadata_guard,
     shape_str,
 )
 from .functional import ACTIVATIONS, cdiv, gated_activation
@@ -159,6 +161,11 @@ class FP8Linear(_CheckedStateDict, nn.Module):
         return (f"in_features={self.in_features}, out_features={self.out_features}, block_size={self.block_size}, "
                 f"activation_scheme={self.activation_scheme!r}, scale_dtype={self.weight_scale_inv.dtype}, "
                 f"bias={self.bias is not None}")
+
+
+# FP8Experts -> {hidden_states' shape: guard of inputs that passed its checks} (_check_inputs_once)
+_CHECKED_INPUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_CHECKED_SHAPES = 16  # per module; cleared when full (decode has one shape per batch size)
 
 
 class FP8Experts(_CheckedStateDict, nn.Module):
@@ -297,8 +304,35 @@ class FP8Experts(_CheckedStateDict, nn.Module):
             if t.device != device:
                 fail(ValueError, name, f"a tensor on {device} (the device of the expert weights)", t.device)
 
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    def _check_inputs_once(self, hidden_states, top_k_index, top_k_weights) -> None:
+        """:meth:`_check_inputs`, skipped for inputs whose metadata (dtype, device, shape,
+        strides, type) and the weights' are those of a call that passed it: a C++ guard
+        (``metadata_guard``) costs a fraction of the checks' Python, which a decode step
+        pays per layer.  Guards are kept per hidden_states shape, a few per module, outside
+        the module (a copy or a pickle of it carries none).  Traced (``torch.compile``,
+        ``torch.export``): the checks themselves, on the traced metadata."""
+        if torch.compiler.is_compiling():
+            self._check_inputs(hidden_states, top_k_index, top_k_weights)
+            return
+        weight = self._tensor("gate_up_proj")
+        shape = getattr(hidden_states, "shape", None)
+        guards = _CHECKED_INPUTS.get(self)
+        if guards is not None:
+            guard = guards.get(shape)
+            if guard is not None and guard(hidden_states, top_k_index, top_k_weights, weight):
+                return
         self._check_inputs(hidden_states, top_k_index, top_k_weights)
+        guard = metadata_guard([hidden_states, top_k_index, top_k_weights, weight])
+        if guard is None:
+            return
+        if guards is None:
+            guards = _CHECKED_INPUTS.setdefault(self, {})
+        if shape not in guards and len(guards) >= _CHECKED_SHAPES:
+            guards.clear()
+        guards[shape] = guard
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        self._check_inputs_once(hidden_states, top_k_index, top_k_weights)
         shape = hidden_states.shape
         if hidden_states.dim() != 2:  # any leading dims: the ops take (T, H) and (T, k)
             k = top_k_index.shape[-1]

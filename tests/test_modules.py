@@ -98,6 +98,27 @@ def test_module_argument_errors():
         fp8_moe_ops.calibrate_static_scales(nn.Linear(2, 2), [torch.randn(1, 2)])
 
 
+def test_experts_input_checks_skipped_only_for_checked_metadata():
+    # a call whose inputs (and weights) have a checked call's metadata skips the Python
+    # checks; anything else is checked as ever, and errors still name the argument
+    from unittest import mock
+
+    gu, dp = _float_experts(E=4, H=64, I=32)
+    m = FP8Experts.from_float(gu, dp, block_size=(32, 32), dispatch="grouped")
+    hidden = torch.randn(3, 64, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+    idx, w = _routing(3, 4, 2)
+    want = m(hidden, idx, w)
+    with mock.patch.object(FP8Experts, "_check_inputs", autospec=True,
+                           side_effect=FP8Experts._check_inputs) as checks:
+        assert torch.equal(m(hidden.clone(), idx.clone(), w.clone()), want)
+        assert checks.call_count == 0
+        with pytest.raises(TypeError, match="top_k_index: expected dtype"):
+            m(hidden, idx.float(), w)
+        with pytest.raises(ValueError, match="top_k_weights: expected a tensor on meta"):
+            m.to("meta")(hidden.to("meta"), idx.to("meta"), w)  # the weights moved: checked again
+        assert checks.call_count == 2
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("static", [False, True])
 def test_export_aoti_package_matches_eager(tmp_path, static):
