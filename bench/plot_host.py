@@ -12,7 +12,8 @@ JSON files written by the ``bench/`` scripts), and a target as a line.  ``--metr
 measurement, e.g. the CUDA-graph time of ``profile_layer`` runs (``graph_us``, variant
 ``dynamic``); ``--relative`` plots each run as a fraction of the first run's value (a
 before / after of cases from decode to prefill in one figure), ``--min-tokens`` leaves out
-smaller T.  Needs matplotlib (the ``bench`` extra); no GPU.
+smaller T.  ``label=path@metric`` plots that run's ``metric`` instead (both ways of one
+``host_ab`` run: ``a_us`` and ``b_us``).  Needs matplotlib (the ``bench`` extra); no GPU.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def save_figure(fig, ax, title: str, out: str) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="the PNG to write")
-    p.add_argument("runs", nargs="+", help="label=path of a bench JSON")
+    p.add_argument("runs", nargs="+", help="label=path of a bench JSON, or label=path@metric")
     p.add_argument("--metric", default="cpu_us")
     p.add_argument("--variant", default="op grouped_experts")
     p.add_argument("--target", type=float, default=40.0, help="a horizontal line at this value (0: none)")
@@ -58,7 +59,10 @@ def main() -> int:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = [(label, metric(path, args.metric, args.variant)) for label, path in (r.split("=", 1) for r in args.runs)]
+    runs = []
+    for label, path in (r.split("=", 1) for r in args.runs):
+        path, _, name = path.partition("@")
+        runs.append((label, metric(path, name or args.metric, args.variant)))
     cases = sorted(c for c in set.intersection(*(set(data) for _, data in runs)) if c[1] >= args.min_tokens)
     width = 0.8 / len(runs)
     fig, ax = plt.subplots(figsize=(max(8.0, 0.8 * len(cases)), 4.5))
