@@ -103,6 +103,38 @@ def run_as_transformers(model, ids, impl: str) -> torch.Tensor:
     return logits(model, ids)
 
 
+def test_fast_attribute_reads_agree_with_getattr():
+    # the experts forward's attribute reads (integration._attr) return what getattr does,
+    # for every kind of attribute a transformers experts module has, and raise as it does
+    class Experts(torch.nn.Module):
+        flag_on_class = True
+
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(2), requires_grad=False)
+            self.register_buffer("scale", torch.ones(1))
+            self.act_fn = torch.nn.SiLU()
+            self.has_gate, self.block_size, self.limit = False, None, 7.0
+
+        @property
+        def computed(self):
+            return "from a property"
+
+    class WithGetattr(Experts):
+        def __getattr__(self, name):
+            if name == "forwarded":
+                return "from __getattr__"
+            return super().__getattr__(name)
+
+    for module in (Experts(), WithGetattr()):
+        names = ["weight", "scale", "act_fn", "has_gate", "block_size", "limit", "flag_on_class", "computed",
+                 "missing", "training"] + (["forwarded"] if isinstance(module, WithGetattr) else [])
+        for name in names:
+            assert integration._attr(module, name, "default") is getattr(module, name, "default"), name
+        with pytest.raises(AttributeError, match="missing"):
+            integration._attr(module, "missing")
+
+
 def test_import_does_not_import_transformers():
     code = "import sys, fp8_moe_ops; from fp8_moe_ops.integrations import convert; assert 'transformers' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
