@@ -7,8 +7,12 @@ called with ``fp8_moe_ops.ops.experts`` replaced by a stub that returns its inpu
 what is timed is the module's own work: ``nn.Module.__call__``, the input checks
 (``_check_inputs``), the weights and settings handed to the op (``expert_weights``)
 and the reshapes.  The sizes do not matter to it (no tensor data is touched); the
-parts are timed on their own too.  µs per call: ``common.host_us_per_call`` (the median
-of 7 runs of ``--calls`` back-to-back calls).  Writes ``OUT/module_overhead.json`` / ``.md``.
+parts are timed on their own too.  Where transformers 5.x with its FP8 experts interface
+is installed, also the plug-in forward's work before the op on one of transformers' own
+``FP8Experts`` (``fp8_moe_ops.integrations.transformers``: the module's attributes read
+and checked, the op's arguments and block sizes derived).  µs per call:
+``common.host_us_per_call`` (the median of 7 runs of ``--calls`` back-to-back calls).
+Writes ``OUT/module_overhead.json`` / ``.md``.
 """
 
 from __future__ import annotations
@@ -34,6 +38,28 @@ def parts(scheme: str, device: str) -> dict:
     }
 
 
+def plugin_parts() -> dict:
+    """The transformers plug-in forward's reads and checks, the op left out ({} without
+    transformers' FP8 experts interface)."""
+    try:
+        from transformers import Qwen3MoeConfig
+        from transformers.integrations.finegrained_fp8 import FP8Experts as TfFP8Experts
+
+        from fp8_moe_ops.integrations import transformers as integration
+    except ImportError:
+        return {}
+    module = TfFP8Experts(Qwen3MoeConfig(hidden_size=256, moe_intermediate_size=128, num_experts=8),
+                          block_size=(128, 128))
+
+    def prepare():
+        get = integration._attr  # as the forward reads outside torch.compile
+        integration._check_fp8_experts(module, get)
+        integration._op_args(module, get)
+        integration._blocks(module, get)
+
+    return {"transformers plug-in: reads and checks": prepare}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out-dir", required=True)
@@ -50,6 +76,9 @@ def main() -> int:
                            lambda fn=fn: {"cpu_us": host_us_per_call(fn, args.calls)[0]})
     finally:
         ops.experts = real
+    for name, fn in plugin_parts().items():
+        runner.run(ExperimentConfig("module_overhead", "transformers FP8Experts", 1, name),
+                   lambda fn=fn: {"cpu_us": host_us_per_call(fn, args.calls)[0]})
     rows = [r.flat() for r in runner.results]
     runner.save(markdown_table(rows, [("part", "variant", ""), ("CPU µs / call", "cpu_us", ".2f"),
                                       ("error", "error", "")]))
