@@ -116,3 +116,12 @@ def metadata_guard(tensors: Sequence[torch.Tensor]) -> Callable[..., bool] | Non
     guard of checked ones skips them."""
     factory = _guard_factory()
     return None if factory is None else factory(*tensors).check
+
+
+def keep_newest(table: dict, key, entry, per_key: int, max_keys: int) -> None:
+    """Appends ``entry`` to ``table[key]`` (a list, newest last), keeping the last
+    ``per_key``; a new key when ``table`` holds ``max_keys`` clears it first.  The
+    bounded tables of guards (:func:`metadata_guard`) that skip per-call Python."""
+    if key not in table and len(table) >= max_keys:
+        table.clear()
+    table[key] = [*table.get(key, ()), entry][-per_key:]

@@ -27,6 +27,7 @@ from ._checks import (
     check_scale_dtype,
     check_swiglu_limit,
     fail,
+    keep_newest,
     metadata_guard,
     shape_str,
 )
@@ -163,7 +164,7 @@ class FP8Linear(_CheckedStateDict, nn.Module):
                 f"bias={self.bias is not None}")
 
 
-# FP8Experts -> {hidden_states' shape: guard of inputs that passed its checks} (_check_inputs_once)
+# FP8Experts -> {hidden_states' shape: [guard of inputs that passed its checks]} (_check_inputs_once)
 _CHECKED_INPUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _CHECKED_SHAPES = 16  # per module; cleared when full (decode has one shape per batch size)
 
@@ -318,18 +319,13 @@ class FP8Experts(_CheckedStateDict, nn.Module):
         shape = getattr(hidden_states, "shape", None)
         guards = _CHECKED_INPUTS.get(self)
         if guards is not None:
-            guard = guards.get(shape)
-            if guard is not None and guard(hidden_states, top_k_index, top_k_weights, weight):
-                return
+            for guard in guards.get(shape, ()):
+                if guard(hidden_states, top_k_index, top_k_weights, weight):
+                    return
         self._check_inputs(hidden_states, top_k_index, top_k_weights)
         guard = metadata_guard([hidden_states, top_k_index, top_k_weights, weight])
-        if guard is None:
-            return
-        if guards is None:
-            guards = _CHECKED_INPUTS.setdefault(self, {})
-        if shape not in guards and len(guards) >= _CHECKED_SHAPES:
-            guards.clear()
-        guards[shape] = guard
+        if guard is not None:
+            keep_newest(_CHECKED_INPUTS.setdefault(self, {}), shape, guard, 1, _CHECKED_SHAPES)
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         self._check_inputs_once(hidden_states, top_k_index, top_k_weights)

@@ -28,7 +28,7 @@ from typing import NamedTuple
 import torch
 
 from . import reference
-from ._checks import SCALE_DTYPES, check_block_size, fail, meta_key, metadata_guard, shape_str
+from ._checks import SCALE_DTYPES, check_block_size, fail, keep_newest, meta_key, metadata_guard, shape_str
 from .functional import ACTIVATIONS, cdiv
 
 _ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -508,11 +508,8 @@ class ListChecks:
                 return
         self._check(*args)
         guard = metadata_guard(tensors)
-        if guard is None:
-            return
-        if key not in self._guards and len(self._guards) >= self.MAX_KEYS:
-            self._guards.clear()
-        self._guards[key] = [*guards, guard][-self.GUARDS_PER_KEY:]
+        if guard is not None:
+            keep_newest(self._guards, key, guard, self.GUARDS_PER_KEY, self.MAX_KEYS)
 
 
 grouped_experts_list = _experts_op("grouped_experts_list", EXPERTS_LIST_SCHEMA, check_experts_list,

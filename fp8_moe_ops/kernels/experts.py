@@ -57,7 +57,7 @@ import torch
 from triton.runtime import driver
 
 from .. import routing
-from .._checks import meta_key, metadata_guard
+from .._checks import keep_newest, meta_key, metadata_guard
 from ..functional import cdiv, next_power_of_2
 from . import ws_gemm
 from .activation import gated_act_quant_call
@@ -546,7 +546,5 @@ class StackedPlans:
         guard = metadata_guard([args[i] for i in given])
         if guard is None:
             return
-        if cheap not in self._replays and len(self._replays) >= self.MAX_KEYS:
-            self._replays.clear()
         entry = (guard, operator.itemgetter(*given), _picker([at[name] for name in sources]), plan)
-        self._replays[cheap] = [*self._replays.get(cheap, ()), entry][-self.GUARDS_PER_KEY:]
+        keep_newest(self._replays, cheap, entry, self.GUARDS_PER_KEY, self.MAX_KEYS)
