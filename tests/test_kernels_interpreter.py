@@ -569,6 +569,25 @@ def test_plan_of_strided_arguments_reads_each_calls_copy():
     assert not torch.equal(want, kernels.grouped_experts(*first))
 
 
+def test_op_tries_to_guard_a_strided_call_once():
+    # a transposed top_k_index is copied dense on every call: such a key cannot be
+    # guarded, and its calls stop trying after the first that has a plan
+    from fp8_moe_ops import ops
+
+    def strided(seed):
+        args, kw = _experts_args("sentinels", torch.bfloat16, torch.float32, static=False, seed=seed)
+        args[1] = args[1].t().contiguous().t()
+        return _positional(args, kw)
+
+    plans = kernels.StackedPlans(ops.check_experts)
+    calls = [strided(s) for s in (61, 62, 63, 64)]
+    with mock.patch.object(plans, "_remember", wraps=plans._remember) as remember:
+        for args in calls:
+            assert torch.equal(plans(args), kernels.grouped_experts(*args))
+    assert remember.call_count == 1  # the second call (the first with a plan) only
+    assert not plans._replays and len(plans._keyed_only) == 1
+
+
 def test_sort_slots_layout():
     # perm: sorted position -> slot, stable; offsets: inclusive cumsum, sentinels excluded
     idx = torch.tensor([[2, -1], [0, 2], [5, 0]])

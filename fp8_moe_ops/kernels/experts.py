@@ -499,7 +499,9 @@ class StackedPlans:
     tensors pass the guard and whose addresses are 16-byte aligned has the plan's
     meta_key and replays the plan at once; any other call takes the path above.  A few
     guards per cheap key (one model may pass Parameters in one layer and plain tensors
-    in another); none where torch offers no such guard."""
+    in another); none where torch offers no such guard.  A meta_key whose calls cannot be
+    guarded (copied or unaligned sources: both fixed by the key) is marked once, so its
+    later calls skip that attempt."""
 
     GUARDS_PER_KEY = 4
     MAX_KEYS = 256  # cheap keys; cleared when full (a model has a handful)
@@ -508,6 +510,7 @@ class StackedPlans:
         self._check = check
         self.states: dict = {}  # meta_key -> plan state (planned)
         self._replays: dict = {}  # cheap key -> [(guard, tensors of args, sources of args, plan)], newest last
+        self._keyed_only: set = set()  # meta_keys whose calls cannot be guarded
 
     def __call__(self, args: tuple) -> torch.Tensor:
         hidden = args[0]
@@ -526,25 +529,30 @@ class StackedPlans:
         sources = _stacked_sources(args)
         out = planned(self.states, key, sources, hidden, lambda: _stacked(args, sources))
         plan = self.states.get(key)
-        if isinstance(plan, ExpertsPlan) and not guarded:
-            self._remember(cheap, args, sources, plan)
+        if isinstance(plan, ExpertsPlan) and not guarded and key not in self._keyed_only:
+            if not self._remember(cheap, args, sources, plan):
+                if len(self._keyed_only) >= self.MAX_KEYS:
+                    self._keyed_only.clear()
+                self._keyed_only.add(key)
         return out
 
-    def _remember(self, cheap: tuple, args: tuple, sources: dict, plan: ExpertsPlan) -> None:
+    def _remember(self, cheap: tuple, args: tuple, sources: dict, plan: ExpertsPlan) -> bool:
+        """Remembers the call under ``cheap`` with a guard; False where it cannot."""
         at = {name: i for i, name in enumerate(ARG_NAMES)}
         for name, t in sources.items():
             a = args[at[name]]
             if t is None or a is None:
                 if t is not a:
-                    return
+                    return False
             # a GPU plan reads its sources' addresses: a view of the argument (UE8M0 scales
             # as bytes, flattened act scales) is the argument; the interpreter reads the
             # tensors themselves
             elif (t is not a if plan.device is None else t.data_ptr() != a.data_ptr()) or a.data_ptr() % 16:
-                return  # a source copied from its argument, or unaligned: replays take the keyed path
+                return False  # a source copied from its argument, or unaligned: replays take the keyed path
         given = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
         guard = metadata_guard([args[i] for i in given])
         if guard is None:
-            return
+            return False
         entry = (guard, operator.itemgetter(*given), _picker([at[name] for name in sources]), plan)
         keep_newest(self._replays, cheap, entry, self.GUARDS_PER_KEY, self.MAX_KEYS)
+        return True
