@@ -192,9 +192,10 @@ def table_override(table: str) -> None:
     """For the rest of the process: ``table`` ("KEY=VALUE,...", integer values; "KEY=none"
     removes the key) set on every entry of the grouped GEMM's launch-config table, as if
     checked in (so at a T whose rows per expert fall in one bucket, on that bucket's
-    entry).  With a weight shape before a colon ("N,K:KEY=VALUE,..."), only on the
-    entries of that shape's own list.  Call before the first launch: launches and launch
-    plans are cached."""
+    entry), and on an entry's ``dense`` form where that holds the key ("dense=none" leaves
+    the entries their own form only).  With a weight shape before a colon
+    ("N,K:KEY=VALUE,..."), only on the entries of that shape's own list.  Call before the
+    first launch: launches and launch plans are cached."""
     from fp8_moe_ops.kernels import config
 
     shape, _, table = table.rpartition(":")
@@ -209,9 +210,12 @@ def table_override(table: str) -> None:
         if shape and entry_shape != shape:
             return entry
         entry = {**entry, **changes}
+        if isinstance(entry.get("dense"), dict):
+            entry["dense"] = {key: changes.get(key, value) for key, value in entry["dense"].items()}
+            entry["dense"] = {key: value for key, value in entry["dense"].items() if value is not None}
         return {key: value for key, value in entry.items() if value is not None or key == "max_rows"}
 
-    patched = {"default": [change(e, None) for e in shipped["default"]],
+    patched = {**shipped, "default": [change(e, None) for e in shipped["default"]],
                "shapes": {s: [change(e, s) for e in entries] for s, entries in shipped["shapes"].items()}}
     config._table = lambda: patched
 

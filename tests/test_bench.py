@@ -134,24 +134,30 @@ def test_table_override_changes_every_entry_and_removes_keys(common, monkeypatch
     from fp8_moe_ops.kernels import config
 
     monkeypatch.setattr(config, "_table", config._table)  # restored after the test
-    assert config.gemm_config(2, 8, 28672, 4096)["maxnreg"] == 128  # the shipped decode entry
+    # the shipped decode entry: its own form, and its dense form (mixtral_8x7b's T=1 gate_up)
+    assert config.gemm_config(8, 128, 1536, 2048)["maxnreg"] == 128
+    assert config.gemm_config(2, 8, 28672, 4096)["maxnreg"] == 72
     common.table_override("maxnreg=none,num_stages=3")
-    for S in (2, 8192):  # decode and prefill entries, default and per-shape lists
-        for N, K in ((28672, 4096), (4096, 7168)):
+    for S in (2, 8192):  # decode and prefill entries, default and per-shape lists, both forms
+        for N, K in ((28672, 4096), (4096, 7168), (1536, 2048)):
             cfg = config.gemm_config(S, 8, N, K)
             assert "maxnreg" not in cfg and cfg["num_stages"] == 3
+    assert config.gemm_config(2, 8, 28672, 4096)["BN"] == 64  # still the dense form
     assert config.gemm_config(8192, 8, 28672, 4096)["BM"] == 128  # the rest as shipped
+    common.table_override("dense=none")
+    assert config.gemm_config(2, 8, 28672, 4096)["BN"] == 128  # the entry's own form only
 
 
 def test_table_override_of_one_shape_leaves_the_others(common, monkeypatch):
     from fp8_moe_ops.kernels import config
 
     monkeypatch.setattr(config, "_table", config._table)  # restored after the test
-    common.table_override("7168,2048:min_programs=896")
-    # deepseek_v3's T=1 down GEMM: 8 experts x 56 column tiles of 128 < 896, so 64-wide tiles
     assert config.gemm_config(8, 256, 7168, 2048, split_k=True)["BN"] == 64
+    common.table_override("7168,2048:min_programs=1800")
+    # deepseek_v3's T=1 down GEMM: 8 experts x 112 column tiles of 64 < 1800, so 32-wide tiles
+    assert config.gemm_config(8, 256, 7168, 2048, split_k=True)["BN"] == 32
     assert config.gemm_config(8, 256, 4096, 7168)["BN"] == 64  # its gate_up as shipped (min_programs 264)
-    assert config.gemm_config(2, 8, 28672, 4096)["BN"] == 128  # the default list as shipped
+    assert config.gemm_config(2, 8, 28672, 4096)["BN"] == 64  # the default list as shipped
     with pytest.raises(ValueError, match="shape '1,2'"):
         common.table_override("1,2:maxnreg=none")
 

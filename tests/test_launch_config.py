@@ -12,19 +12,20 @@ from helpers import MODELS
 
 
 # (model, T) -> (BM, BN) of the gate_up and of the down GEMM: the shipped table's
-# choices, frozen.  Decode (T <= 8) narrows N tiles so that enough (expert, N tile)
-# programs fill the H200's 132 SMs; prefill takes the tuned tiles.  A table change
-# updates these deliberately (and re-runs the GPU tests).
+# choices, frozen.  Decode (at most 8 rows per expert) narrows N tiles so that enough
+# (expert, N tile) programs fill the H200's 132 SMs, and takes 64-column tiles at 7
+# programs per SM where those fill their last wave better; prefill takes the tuned
+# tiles.  A table change updates these deliberately (and re-runs the GPU tests).
 EXPECTED = {
-    ("deepseek_v3", 1): [(16, 64), (16, 128)],
-    ("deepseek_v3", 8): [(16, 128), (16, 128)],
-    ("deepseek_v3", 64): [(16, 128), (16, 128)],
+    ("deepseek_v3", 1): [(16, 64), (16, 64)],
+    ("deepseek_v3", 8): [(16, 64), (16, 64)],
+    ("deepseek_v3", 64): [(16, 128), (16, 64)],
     ("deepseek_v3", 4096): [(64, 128), (64, 128)],
     ("qwen3_30b_a3b", 1): [(16, 32), (16, 32)],
-    ("qwen3_30b_a3b", 8): [(16, 128), (16, 128)],
+    ("qwen3_30b_a3b", 8): [(16, 64), (16, 64)],
     ("qwen3_30b_a3b", 64): [(16, 128), (16, 128)],
     ("qwen3_30b_a3b", 4096): [(64, 128), (64, 128)],
-    ("mixtral_8x7b", 1): [(16, 128), (16, 32)],
+    ("mixtral_8x7b", 1): [(16, 64), (16, 32)],
     ("mixtral_8x7b", 8): [(16, 128), (16, 64)],
     ("mixtral_8x7b", 64): [(64, 128), (64, 128)],
     ("mixtral_8x7b", 4096): [(128, 128), (128, 128)],
@@ -59,18 +60,31 @@ def test_decode_down_with_fused_combine_splits_k_before_narrowing():
     assert "SPLIT" not in gemm_config(8 * 4096, 8, 4096, 14336, True)  # prefill: no decode entry
 
 
-def test_decode_programs_take_at_most_128_registers_except_split_k():
-    # 4 programs of 4 warps per SM at decode: mixtral_8x7b's gate_up with the activation
-    # in its launch took 144 registers (3 per SM, and its 448 programs a second wave); a
-    # split-K launch is sized to one wave and ran slower capped
+def test_decode_programs_are_register_capped_except_split_k():
+    # 4 programs of 4 warps per SM at decode (128 registers), or 7 of the dense form (72):
+    # mixtral_8x7b's gate_up at T=1 takes 896 64-column programs, one wave of 7 x 132,
+    # not 448 of 128 columns (3.4 per SM: some SMs busy with 4 while others idle); a
+    # split-K launch is sized to one wave of 128-column tiles and ran slower capped
     from fp8_moe_ops.kernels import experts
 
     E, H, I, k = MODELS["mixtral_8x7b"]
     gate_up, down = experts.shape_calls(1, k, E, H, I, (128, 128))[1:]
-    assert gate_up.options["maxnreg"] == 128
-    assert down.constexprs["SPLIT"] > 1 and "maxnreg" not in down.options
-    assert gemm_config(2, E, 4096, 14336)["maxnreg"] == 128  # the same shape unsplit
+    assert (gate_up.options["maxnreg"], gate_up.constexprs["BN"]) == (72, 64)
+    assert down.constexprs["SPLIT"] > 1 and "maxnreg" not in down.options and down.constexprs["BN"] == 128
+    assert gemm_config(2, E, 4096, 14336)["maxnreg"] == 128  # the same shape unsplit: 32-column tiles
     assert "maxnreg" not in experts.shape_calls(4096, k, E, H, I, (128, 128))[1].options  # prefill
+
+
+@pytest.mark.parametrize("S,E,N,dense", [
+    (8, 256, 7168, True),    # deepseek_v3 T=1 down: 448 programs = 3.4 per SM -> 896 = 6.8 of 7
+    (16, 256, 4096, False),  # deepseek_v3 T=2 gate_up: ~496 programs fit one wave; 992 would need two
+    (64, 8, 4096, False),    # mixtral_8x7b T=32 down: 8 x 64 tiles, as even in one wave either way: 128 registers
+    (64, 128, 1536, True),   # qwen3_30b_a3b T=8 gate_up: 1.15 waves of 4 per SM -> 1.31 of 7
+])
+def test_decode_takes_the_dense_form_where_its_waves_are_fuller(S, E, N, dense):
+    cfg = gemm_config(S, E, N, 2048)
+    assert (cfg["BN"], cfg["maxnreg"]) == ((64, 72) if dense else (cfg["BN"], 128))
+    assert "per_sm" not in cfg and "dense" not in cfg  # table keys, not launch options
 
 
 def test_tiny_problems_get_no_tile_wider_than_the_problem():

@@ -11,7 +11,11 @@ would want its own table).  For the down GEMM with the combine in its launch
 narrowing alone would go to 32-column tiles: programs of the full ``BN`` stream wider
 weight tiles.  ``BN`` then narrows if that is not enough.  An entry's optional
 ``maxnreg`` caps a program's registers, so that enough programs fit an SM (dropped for
-a split-K launch).  An entry's optional ``ws_min_k`` hands its GEMMs with K at least
+a split-K launch).  An entry's optional ``dense`` holds another form of it (say
+narrower tiles capped at fewer registers, so more programs per SM): the call takes that
+form where its programs fill their last wave over the table's ``sms`` SMs better than
+the entry's own (``per_sm``: programs of each form that fit an SM), except for a split-K
+launch.  An entry's optional ``ws_min_k`` hands its GEMMs with K at least
 that to the Gluon kernel on an sm_90 GPU (:mod:`.ws_gemm`).  The table was written from
 the sweep of ``bench/tune.py`` on an H200 (winners per bucket, by hand: see
 docs/benchmarks.md); other GPUs use the same table.
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from importlib import resources
 
 from ..functional import cdiv, next_power_of_2
@@ -48,12 +53,33 @@ def gemm_config(S: int, E: int, N: int, K: int, split_k: bool = False) -> dict:
     rows = S / max(1, min(E, S))
     table = _table()
     entries = table["shapes"].get(f"{N},{K}", table["default"])
-    for entry in entries:
-        if entry["max_rows"] is None or rows <= entry["max_rows"]:
-            cfg = dict(entry)
-            break
-    del cfg["max_rows"]
-    min_programs = cfg.pop("min_programs", None)
+    entry = next(e for e in entries if e["max_rows"] is None or rows <= e["max_rows"])
+    cfg = _sized(entry, S, E, N, K, split_k)
+    dense = entry.get("dense")
+    if dense is not None and cfg.get("SPLIT", 1) == 1:
+        other = _sized({**entry, **dense}, S, E, N, K, split_k)
+        if other.get("SPLIT", 1) == 1 and \
+                _wave_use(S, E, N, other["BN"], table["sms"] * dense["per_sm"]) > \
+                _wave_use(S, E, N, cfg["BN"], table["sms"] * entry["per_sm"]):
+            cfg = other
+    return cfg
+
+
+def _wave_use(S: int, E: int, N: int, BN: int, slots: int) -> float:
+    """The share of a launch's program slots (``slots`` per wave) that its (expert, N
+    tile) programs fill over its waves: 1 when the last wave is full, about a half when a
+    second wave holds a few programs.  The experts with rows are estimated as under
+    uniform routing (S slots over E experts)."""
+    active = E * (1 - (1 - 1 / E) ** S) if E else 0.0
+    programs = max(1.0, active * cdiv(N, BN))
+    return programs / (slots * math.ceil(programs / slots))
+
+
+def _sized(entry: dict, S: int, E: int, N: int, K: int, split_k: bool) -> dict:
+    """``entry``'s launch config for the problem: tiles no wider than it, narrowed or K
+    split until ``min_programs`` (expert, N tile, K range) programs could have work."""
+    cfg = {key: v for key, v in entry.items() if key not in ("max_rows", "min_programs", "per_sm", "dense")}
+    min_programs = entry.get("min_programs")
     # tiny problems (tests, T=1): no tile wider than the problem
     cfg["BM"] = max(16, min(cfg["BM"], next_power_of_2(max(S, 1))))
     cfg["BN"] = max(16, min(cfg["BN"], next_power_of_2(N)))
