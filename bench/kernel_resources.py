@@ -1,7 +1,7 @@
 """Registers, spills and shared memory of every launch of one ``grouped_experts`` call,
 compiled for the H200 (sm_90a) on this machine: no GPU needed.
 
-    PYTHONPATH=. python bench/kernel_resources.py --out-dir OUT [--cases "qwen3_30b_a3b:1,8;..."]
+    PYTHONPATH=. python bench/kernel_resources.py --out-dir OUT [--cases "qwen3_30b_a3b:1,8;..."] [--table KEY=VALUE,...]
 
 The launches are the forward's own (``fp8_moe_ops.kernels.experts.shape_calls``: the
 op's launch list for the shape, built on placeholders, nothing runs).  Each kernel is
@@ -30,7 +30,7 @@ from triton.compiler import ASTSource
 from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from common import BLOCK, MODELS, ExperimentConfig, Runner, markdown_table, parse_sweep
+from common import BLOCK, MODELS, ExperimentConfig, Runner, markdown_table, parse_sweep, table_override
 from fp8_moe_ops.kernels.experts import shape_calls
 
 CASES = {"deepseek_v3": [1, 8, 8192], "qwen3_30b_a3b": [1, 8, 8192], "mixtral_8x7b": [1, 8, 8192]}
@@ -87,7 +87,11 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out-dir", required=True)
     p.add_argument("--cases", default=None, help="model:T,T;... (default: CASES)")
+    p.add_argument("--table", default=None,
+                   help="[N,K:]KEY=VALUE,... set on the launch-config table first (common.table_override)")
     args = p.parse_args()
+    if args.table:
+        table_override(args.table)
     runner = Runner("kernel_resources", args.out_dir)
     for name, tokens in (parse_sweep(args.cases) if args.cases else CASES).items():
         model = MODELS[name]

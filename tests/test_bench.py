@@ -314,6 +314,28 @@ def test_kernel_resources_compiles_a_launch_for_sm90_without_a_gpu():
     assert 0 < res["registers"] <= 255 and res["spill_bytes"] == 0 and res["shared_bytes"] >= 0
 
 
+def test_decode_forms_fit_their_programs_per_sm_on_sm90():
+    # the launch table's per_sm (programs of 4 warps per SM) for both forms of the decode
+    # entry, compiled for sm_90a: deepseek_v3 T=2's gate_up takes the entry's own form
+    # (128-column tiles), its down GEMM the dense one (64 columns, 72 registers); each
+    # fits per_sm times in the H200 SM's 65536 registers and 228 KB of shared memory
+    # (1 KB reserved per program), without spilling
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import kernel_resources as kr; "
+            "from fp8_moe_ops.kernels.experts import shape_calls; "
+            "calls = shape_calls(2, 8, 256, 7168, 2048, (128, 128))[1:]; "
+            "print([dict(kr.resources(c), BN=c.constexprs['BN'], maxnreg=c.options['maxnreg']) for c in calls])")
+    gate_up, down = printed_by_fresh_process(code)
+    from fp8_moe_ops.kernels import config
+
+    own = config._table()["default"][0]
+    assert (gate_up["BN"], gate_up["maxnreg"]) == (own["BN"], own["maxnreg"])
+    assert (down["BN"], down["maxnreg"]) == (own["dense"]["BN"], own["dense"]["maxnreg"])
+    for res, per_sm in ((gate_up, own["per_sm"]), (down, own["dense"]["per_sm"])):
+        assert res["spill_bytes"] == 0 and res["registers"] <= res["maxnreg"]
+        assert -(-res["registers"] // 8) * 8 * 32 * res["warps"] * per_sm <= 65536
+        assert (res["shared_bytes"] + 1024) * per_sm <= 228 * 1024
+
+
 def test_overlap_probe_compiles_every_form_for_sm90_without_a_gpu():
     # the Gluon probe of the compute-bound GEMM (docs/benchmarks.md), compiled for sm_90a;
     # no form may be serialised by ptxas
