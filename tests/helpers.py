@@ -205,8 +205,8 @@ def with_split_k(gemm_config, split: int):
     """``gemm_config`` (``fp8_moe_ops.kernels.moe``'s) giving the down GEMM with the fused
     combine ``split`` K ranges: to monkeypatch in, so small test shapes run split-K."""
 
-    def config(S, E, N, K, split_k=False):
-        cfg = gemm_config(S, E, N, K, split_k)
+    def config(S, E, N, K, split_k=False, sms=None):
+        cfg = gemm_config(S, E, N, K, split_k, sms)
         if split_k:
             cfg["SPLIT"] = split
         return cfg

@@ -87,6 +87,15 @@ def test_decode_takes_the_dense_form_where_its_waves_are_fuller(S, E, N, dense):
     assert "per_sm" not in cfg and "dense" not in cfg  # table keys, not launch options
 
 
+def test_dense_form_follows_the_gpus_sm_count():
+    # deepseek_v3 T=1 down: ~442 programs of 128 columns fill 84 % of 4 per SM over 132
+    # SMs, ~884 of 64 columns 96 % of 7 per SM; over 112 SMs the 442 fill 99 % of one wave
+    # of 4, while 884 would need a second wave of 7
+    assert gemm_config(8, 256, 7168, 2048)["BN"] == gemm_config(8, 256, 7168, 2048, sms=132)["BN"] == 64
+    assert gemm_config(8, 256, 7168, 2048, sms=112)["BN"] == 128
+    assert gemm_config(2, 8, 4096, 14336, True, sms=112)["SPLIT"] == 5  # split K as ever
+
+
 def test_tiny_problems_get_no_tile_wider_than_the_problem():
     cfg = gemm_config(3, 2, 24, 40)
     assert cfg["BM"] == 16 and cfg["BN"] == 32

@@ -13,10 +13,11 @@ weight tiles.  ``BN`` then narrows if that is not enough.  An entry's optional
 ``maxnreg`` caps a program's registers, so that enough programs fit an SM (dropped for
 a split-K launch).  An entry's optional ``dense`` holds another form of it (say
 narrower tiles capped at fewer registers, so more programs per SM): the call takes that
-form where its programs fill their last wave over the table's ``sms`` SMs better than
-the entry's own (``per_sm``: programs of each form that fit an SM), except for a split-K
-launch.  An entry's optional ``ws_min_k`` hands its GEMMs with K at least
-that to the Gluon kernel on an sm_90 GPU (:mod:`.ws_gemm`).  The table was written from
+form where its programs fill their last wave over the GPU's SMs (the table's ``sms``
+where the caller gives none) better than the entry's own (``per_sm``: programs of each
+form that fit an SM), except for a split-K launch.  An entry's optional ``ws_min_k``
+hands its GEMMs with K at least that to the Gluon kernel on an sm_90 GPU
+(:mod:`.ws_gemm`).  The table was written from
 the sweep of ``bench/tune.py`` on an H200 (winners per bucket, by hand: see
 docs/benchmarks.md); other GPUs use the same table.
 """
@@ -47,9 +48,11 @@ def block_k(bk: int) -> int:
 MIN_SPLIT_K = 1024  # K per range of a split-K launch, at least
 
 
-def gemm_config(S: int, E: int, N: int, K: int, split_k: bool = False) -> dict:
+def gemm_config(S: int, E: int, N: int, K: int, split_k: bool = False, sms: int | None = None) -> dict:
     """Launch config for S sorted rows over E experts and an (N, K) weight; with
-    ``split_k`` it may hold ``SPLIT`` > 1 (K ranges; absent means 1)."""
+    ``split_k`` it may hold ``SPLIT`` > 1 (K ranges; absent means 1, and never depends
+    on ``sms``).  ``sms``: the GPU's SM count, for the choice of a ``dense`` form
+    (default: the table's)."""
     rows = S / max(1, min(E, S))
     table = _table()
     entries = table["shapes"].get(f"{N},{K}", table["default"])
@@ -58,9 +61,9 @@ def gemm_config(S: int, E: int, N: int, K: int, split_k: bool = False) -> dict:
     dense = entry.get("dense")
     if dense is not None and cfg.get("SPLIT", 1) == 1:
         other = _sized({**entry, **dense}, S, E, N, K, split_k)
+        sms = sms or table["sms"]
         if other.get("SPLIT", 1) == 1 and \
-                _wave_use(S, E, N, other["BN"], table["sms"] * dense["per_sm"]) > \
-                _wave_use(S, E, N, cfg["BN"], table["sms"] * entry["per_sm"]):
+                _wave_use(S, E, N, other["BN"], sms * dense["per_sm"]) > _wave_use(S, E, N, cfg["BN"], sms * entry["per_sm"]):
             cfg = other
     return cfg
 

@@ -160,7 +160,8 @@ def _gemm_call(q, q_scale, w, w_scale, block, out, *, offsets=None, perm=None, g
     bn, bk = block
     table = isinstance(w, WeightTable)
     split = table and w.split
-    cfg = gemm_config(S, E, 2 * N if split else N, K, combine is not None)
+    cfg = gemm_config(S, E, 2 * N if split else N, K, combine is not None,
+                      ws_gemm.programs(out.device) if out.is_cuda else None)
     k_split = cfg.get("SPLIT", 1)
     BM, BN = cfg["BM"], cfg["BN"]
     num_pid_m = max_row_tiles(S, E, BM, offsets is not None)
