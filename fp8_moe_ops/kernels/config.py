@@ -61,20 +61,21 @@ def gemm_config(S: int, E: int, N: int, K: int, split_k: bool = False, sms: int 
     dense = entry.get("dense")
     if dense is not None and cfg.get("SPLIT", 1) == 1:
         other = _sized({**entry, **dense}, S, E, N, K, split_k)
-        sms = sms or table["sms"]
+        # the experts with rows, estimated as under uniform routing (S slots over E experts)
+        active = E * (1 - (1 - 1 / E) ** S) if E else 0.0
+        sm_count = sms or table["sms"]
         if other.get("SPLIT", 1) == 1 and \
-                _wave_use(S, E, N, other["BN"], sms * dense["per_sm"]) > _wave_use(S, E, N, cfg["BN"], sms * entry["per_sm"]):
+                _wave_use(active * cdiv(N, other["BN"]), sm_count * dense["per_sm"]) > \
+                _wave_use(active * cdiv(N, cfg["BN"]), sm_count * entry["per_sm"]):
             cfg = other
     return cfg
 
 
-def _wave_use(S: int, E: int, N: int, BN: int, slots: int) -> float:
-    """The share of a launch's program slots (``slots`` per wave) that its (expert, N
-    tile) programs fill over its waves: 1 when the last wave is full, about a half when a
-    second wave holds a few programs.  The experts with rows are estimated as under
-    uniform routing (S slots over E experts)."""
-    active = E * (1 - (1 - 1 / E) ** S) if E else 0.0
-    programs = max(1.0, active * cdiv(N, BN))
+def _wave_use(programs: float, slots: int) -> float:
+    """The share of a launch's program slots (``slots`` per wave) that its ``programs``
+    fill over its waves: 1 when the last wave is full, about a half when a second wave
+    holds a few programs."""
+    programs = max(1.0, programs)
     return programs / (slots * math.ceil(programs / slots))
 
 
