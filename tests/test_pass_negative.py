@@ -1,7 +1,7 @@
 """Near misses: loops that look like an expert loop but are not equivalent to the
-grouped op.  Each must be left exactly as it was (every graph the pass sees is the graph it
-leaves), counted in ``loops_skipped_unsupported`` and
-logged with its reason.  Plus spellings that *are* equivalent up to rounding."""
+grouped op.  Each must be left exactly as it was (every graph the pass sees is the graph
+it leaves), counted in ``loops_skipped_unsupported`` and logged with its reason.  Plus
+spellings that *are* equivalent up to rounding."""
 
 from __future__ import annotations
 
