@@ -220,6 +220,31 @@ def table_override(table: str) -> None:
     config._table = lambda: patched
 
 
+SLOT_THRESHOLDS = ("ACT_SLOTS", "COMBINE_SLOTS")  # fp8_moe_ops.kernels.experts: what fuses where
+
+
+def slots_override(spec: str) -> None:
+    """For the rest of the process: the experts forward's fusion thresholds
+    (``fp8_moe_ops.kernels.experts``: ``ACT_SLOTS``, up to which the activation runs in the
+    gate_up GEMM's launch; ``COMBINE_SLOTS``, the combine in the down GEMM's) set from
+    ``spec`` ("NAME=VALUE,...", integers), as if checked in.  Call before the first launch:
+    launch plans are recorded under the thresholds of their call."""
+    from fp8_moe_ops.kernels import experts
+
+    values = {name: getattr(experts, name) for name in SLOT_THRESHOLDS}
+    for pair in spec.split(","):
+        name, _, value = pair.partition("=")
+        if name not in values or not value.lstrip("-").isdigit() or int(value) < 0:
+            raise ValueError(f"slots_override: expected NAME=VALUE with NAME one of {SLOT_THRESHOLDS} and VALUE an "
+                             f"integer >= 0, got {pair!r}")
+        values[name] = int(value)
+    if values["ACT_SLOTS"] > values["COMBINE_SLOTS"]:
+        raise ValueError(f"slots_override: expected ACT_SLOTS <= COMBINE_SLOTS (the activation's counters are the "
+                         f"combine's), got {values}")
+    for name, value in values.items():
+        setattr(experts, name, value)
+
+
 # --------------------------------------------------------------------------- timers
 
 

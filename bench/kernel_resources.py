@@ -2,6 +2,7 @@
 compiled for the H200 (sm_90a) on this machine: no GPU needed.
 
     PYTHONPATH=. python bench/kernel_resources.py --out-dir OUT [--cases "qwen3_30b_a3b:1,8;..."] [--table KEY=VALUE,...]
+        [--slots ACT_SLOTS=0]
 
 The launches are the forward's own (``fp8_moe_ops.kernels.experts.shape_calls``: the
 op's launch list for the shape, built on placeholders, nothing runs).  Each kernel is
@@ -30,7 +31,8 @@ from triton.compiler import ASTSource
 from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from common import BLOCK, MODELS, ExperimentConfig, Runner, markdown_table, parse_sweep, table_override
+from common import (BLOCK, MODELS, ExperimentConfig, Runner, markdown_table, parse_sweep, slots_override,
+                    table_override)
 from fp8_moe_ops.kernels.experts import shape_calls
 
 CASES = {"deepseek_v3": [1, 8, 8192], "qwen3_30b_a3b": [1, 8, 8192], "mixtral_8x7b": [1, 8, 8192]}
@@ -89,9 +91,13 @@ def main() -> int:
     p.add_argument("--cases", default=None, help="model:T,T;... (default: CASES)")
     p.add_argument("--table", default=None,
                    help="[N,K:]KEY=VALUE,... set on the launch-config table first (common.table_override)")
+    p.add_argument("--slots", default=None,
+                   help="NAME=VALUE,... the experts forward's ACT_SLOTS / COMBINE_SLOTS first (common.slots_override)")
     args = p.parse_args()
     if args.table:
         table_override(args.table)
+    if args.slots:
+        slots_override(args.slots)
     runner = Runner("kernel_resources", args.out_dir)
     for name, tokens in (parse_sweep(args.cases) if args.cases else CASES).items():
         model = MODELS[name]

@@ -1,7 +1,7 @@
 """GPU time per kernel of one ``fp8_moe::grouped_experts`` call (torch.profiler).
 
     PYTHONPATH=. python bench/profile_layer.py --out-dir OUT [--cases "qwen3_30b_a3b:1,8;..."]
-        [--table [N,K:]maxnreg=none] [--name profile_layer]
+        [--table [N,K:]maxnreg=none] [--slots COMBINE_SLOTS=128] [--name profile_layer]
 
 For each (model, T), dynamic and static activation scales: the median over 20 calls of
 every kernel's device time, their sum, and the CUDA-graph replay time of the whole call
@@ -10,7 +10,8 @@ kernels).  Also the time per layer of one graph of ``--layers`` calls, each on i
 copy of the weights (as a decode step's graph runs one layer after another; the copies
 keep a layer from finding the previous one's weights in L2): a one-call graph's replay
 also pays for starting the graph.  ``--table`` changes the launch-config table for the run
-(:func:`common.table_override`): the experiment that decides a setting.  Writes
+(:func:`common.table_override`), and ``--slots`` the experts forward's fusion thresholds
+(:func:`common.slots_override`): the experiments that decide a setting.  Writes
 ``OUT/<--name>.json`` / ``.md``; exits 1 if any case failed.
 """
 
@@ -24,7 +25,7 @@ import torch
 
 import fp8_moe_ops  # noqa: F401  (registers torch.ops.fp8_moe)
 from common import (BLOCK, ExperimentConfig, Runner, cuda_events, each_scheme_case, graph_ms, parse_sweep,
-                    results_table, table_override)
+                    results_table, slots_override, table_override)
 
 CASES = {"deepseek_v3": [1, 8, 16384], "qwen3_30b_a3b": [1, 8, 64, 16384], "mixtral_8x7b": [1, 8, 16384]}
 CALLS = 20
@@ -50,11 +51,15 @@ def main() -> int:
     p.add_argument("--table", default=None,
                    help="[N,K:]KEY=VALUE,... set on every entry of the launch-config table, or of one weight "
                         "shape's list (e.g. maxnreg=none, 7168,2048:min_programs=896)")
+    p.add_argument("--slots", default=None,
+                   help="NAME=VALUE,... the experts forward's ACT_SLOTS / COMBINE_SLOTS for the run")
     p.add_argument("--name", default="profile_layer", help="output files OUT/<name>.json and .md")
     p.add_argument("--layers", type=int, default=4, help="calls (each on its own weight copy) in the multi-layer graph")
     args = p.parse_args()
     if args.table:
         table_override(args.table)
+    if args.slots:
+        slots_override(args.slots)
     runner = Runner(args.name, args.out_dir)
     gen = torch.Generator(device="cuda").manual_seed(5)
 

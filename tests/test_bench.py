@@ -162,6 +162,21 @@ def test_table_override_of_one_shape_leaves_the_others(common, monkeypatch):
         common.table_override("1,2:maxnreg=none")
 
 
+def test_slots_override_sets_the_thresholds_and_refuses_others(common, monkeypatch):
+    from fp8_moe_ops.kernels import experts
+
+    for name in common.SLOT_THRESHOLDS:
+        monkeypatch.setattr(experts, name, getattr(experts, name))  # restored after the test
+    assert len(experts.shape_calls(16, 8, 128, 256, 96, (128, 128))) == 5  # 128 slots: the combine on its own
+    common.slots_override("COMBINE_SLOTS=128")
+    assert (experts.ACT_SLOTS, experts.COMBINE_SLOTS) == (16, 128)
+    assert len(experts.shape_calls(16, 8, 128, 256, 96, (128, 128))) == 4
+    for bad in ("MAX_SLOTS=8", "ACT_SLOTS=x", "ACT_SLOTS=-1", "ACT_SLOTS=256"):
+        with pytest.raises(ValueError, match="slots_override"):
+            common.slots_override(bad)
+    assert (experts.ACT_SLOTS, experts.COMBINE_SLOTS) == (16, 128)  # a refused spec changes nothing
+
+
 def test_bench_moe_table_from_results(common, monkeypatch):
     bench_moe = _load("bench_moe", monkeypatch)
     runner = common.Runner("bench_moe")
