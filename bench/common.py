@@ -234,7 +234,7 @@ def slots_override(spec: str) -> None:
     values = {name: getattr(experts, name) for name in SLOT_THRESHOLDS}
     for pair in spec.split(","):
         name, _, value = pair.partition("=")
-        if name not in values or not value.lstrip("-").isdigit() or int(value) < 0:
+        if name not in values or not value.isdigit():  # digits only: an integer >= 0
             raise ValueError(f"slots_override: expected NAME=VALUE with NAME one of {SLOT_THRESHOLDS} and VALUE an "
                              f"integer >= 0, got {pair!r}")
         values[name] = int(value)
