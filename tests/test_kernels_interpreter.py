@@ -515,6 +515,24 @@ def test_op_records_a_plan_on_a_signatures_second_call():
     assert len(plans.states) == 1
 
 
+def test_plans_are_kept_per_gluon_setting(monkeypatch):
+    # FP8_MOE_GLUON decides which kernel runs a prefill GEMM, so a plan recorded under one
+    # setting is never replayed under another, on the guarded path or the keyed one
+    from fp8_moe_ops import ops
+    from fp8_moe_ops.kernels.experts import ExpertsPlan
+
+    plans = kernels.StackedPlans(ops.check_experts)
+    args = _positional(*_experts_args("sentinels", torch.bfloat16, torch.float32, False, seed=61))
+    monkeypatch.setenv("FP8_MOE_GLUON", "0")
+    for _ in range(3):
+        plans(args)
+    assert [(key[1], type(state)) for key, state in plans.states.items()] == [("0", ExpertsPlan)]
+    monkeypatch.setenv("FP8_MOE_GLUON", "1")
+    with mock.patch.object(ExpertsPlan, "run", side_effect=AssertionError("a plan of another setting replayed")):
+        assert torch.equal(plans(args), kernels.grouped_experts(*args))
+    assert sorted(key[1] for key in plans.states) == ["0", "1"]
+
+
 def test_op_replays_a_plan_behind_its_metadata_guard():
     # once a key has a plan, a call with the same metadata skips the Python key (a C++
     # guard of the tensors' metadata and their alignment decide); a call that differs in

@@ -488,13 +488,15 @@ class StackedPlans:
     """The CUDA calls of one stacked experts op (``grouped_experts`` or
     ``batched_experts``) through its launch plans.  ``plans(args)`` (the twelve
     arguments in schema order) runs ``check`` on the first call of each
-    :func:`~fp8_moe_ops._checks.meta_key`, and :func:`planned_experts` under that key.
+    :func:`~fp8_moe_ops._checks.meta_key`, and :func:`planned_experts` under that key
+    and the ``FP8_MOE_GLUON`` setting (:func:`.ws_gemm.mode`: it decides which kernel runs
+    a prefill GEMM, so a plan recorded under one setting is not replayed under another).
 
     :func:`meta_key` reads five attributes of each of seven to nine tensors in Python:
     4-5 µs of CPU a call on the CPU machine, about 10 µs on the H200's host.  So once a
     key has a plan, a call whose sources are the arguments themselves (no strided
     routing tensor copied dense) and all 16-byte aligned is remembered under a cheaper
-    key (hidden's shape, the other arguments' values and which act scales are given)
+    key (hidden's shape, the other arguments' values, which act scales are given, the setting)
     with a C++ guard of its tensors' metadata (:func:`metadata_guard`: dtype, device,
     shape, strides, dispatch keys, requires_grad).  A later call under that key whose
     tensors pass the guard and whose addresses are 16-byte aligned has the plan's
@@ -509,13 +511,14 @@ class StackedPlans:
 
     def __init__(self, check):
         self._check = check
-        self.states: dict = {}  # meta_key -> plan state (planned)
+        self.states: dict = {}  # (meta_key, FP8_MOE_GLUON) -> plan state (planned)
         self._replays: dict = {}  # cheap key -> [(guard, tensors of args, sources of args, plan)], newest last
         self._keyed_only: set = set()  # meta_keys whose calls cannot be guarded
 
     def __call__(self, args: tuple) -> torch.Tensor:
         hidden = args[0]
-        cheap = (hidden.shape, *args[7], args[8], args[11], args[9] is None, args[10] is None)
+        gluon = ws_gemm.mode()  # the GEMMs a forward launches depend on it: plans are kept per setting
+        cheap = (hidden.shape, *args[7], args[8], args[11], args[9] is None, args[10] is None, gluon)
         guarded = False  # whether a remembered call's guard passed (its plan did not replay)
         for guard, tensors_of, sources_of, plan in reversed(self._replays.get(cheap, ())):
             if guard(*tensors_of(args)):

@@ -73,7 +73,7 @@ except (ImportError, AttributeError) as exc:  # a Triton whose Gluon differs: th
     _ws_gemm_kernel = None
     logging.getLogger(__name__).info("the Gluon prefill GEMM is unavailable (%s)", exc)
 
-__all__ = ["AVAILABLE", "usable", "tma_ready", "kmajor", "scales_readable", "ws_gemm_call"]
+__all__ = ["AVAILABLE", "mode", "usable", "tma_ready", "kmajor", "scales_readable", "ws_gemm_call"]
 
 # built and checked with Triton 3.6 (docs/gpu_check.md); another release's Gluon may
 # compile it otherwise, so there the Triton kernel runs every GEMM
@@ -108,6 +108,14 @@ def programs(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def mode() -> str | None:
+    """The ``FP8_MOE_GLUON`` override as set now (``"0"``, ``"1"``, or None: the launch
+    table chooses).  Read on every call; the stacked ops' launch plans are kept per
+    setting (:class:`.experts.StackedPlans`), as a plan replays the GEMMs chosen when it
+    was recorded."""
+    return os.environ.get("FP8_MOE_GLUON")
+
+
 def usable(device: torch.device, w: torch.Tensor, w_scale: torch.Tensor, block: tuple[int, int], cfg: dict) -> bool:
     """Whether :func:`ws_gemm_call` takes a GEMM of stacked weights ``w`` whose A rows
     are read in place (no gather) and with nothing fused into its launch.  The launch
@@ -119,9 +127,9 @@ def usable(device: torch.device, w: torch.Tensor, w_scale: torch.Tensor, block: 
     (128 x 128, no split K), one weight scale per tile and K step, K a multiple of 16
     and ``w`` contiguous and 16-byte aligned (TMA).  A must also pass :func:`tma_ready`."""
     K = w.shape[2]
-    mode = os.environ.get("FP8_MOE_GLUON")
+    override = mode()
     chosen = cfg.get("ws_min_k") is not None and K >= cfg["ws_min_k"]
-    if not AVAILABLE or mode == "0" or not (mode == "1" or chosen):
+    if not AVAILABLE or override == "0" or not (override == "1" or chosen):
         return False
     if device.type != "cuda" or triton.knobs.runtime.interpret:
         return False
