@@ -29,7 +29,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fp8_moe_ops import reference
+from fp8_moe_ops import reference, routing
 from fp8_moe_ops import kernels
 from fp8_moe_ops.kernels import experts, moe
 from fp8_moe_ops.kernels.experts import ARG_NAMES, ExpertsPlan
@@ -280,12 +280,13 @@ def test_fused_launches_equal_the_separate_kernels_bitwise(case, combo, monkeypa
 # --------------------------------------------------------------------------- CUDA graphs
 
 
-@pytest.mark.parametrize("T,split", [(64, 1), (2, 1), (2, 2)],
-                         ids=["combine_kernel", "fused", "fused_split_k"])
+@pytest.mark.parametrize("T,split", [(64, 1), (2, 1), (2, 2), (1024, 1)],
+                         ids=["combine_kernel", "fused", "fused_split_k", "three_launch_sort"])
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
 def test_cuda_graph_replay_with_new_routing_equals_eager(static, T, split, monkeypatch):
     # T=2 (8 slots): the activation and the combine run in the GEMMs' launches, their
-    # counters zeroed by the sort on every replay; split: the down GEMM's K in two ranges
+    # counters zeroed by the sort on every replay; split: the down GEMM's K in two ranges;
+    # T=1024 (4096 slots): the sort in three launches, its histograms in the workspace
     # (another H: the op's plan of a signature is recorded under the config of that call,
     # and must not be one recorded in another case)
     E, H, I, k = 16, 512 if split == 1 else 384, 256, 4
@@ -396,3 +397,49 @@ def test_launch_plan_replays_new_inputs_bitwise(case, combo):
     assert not torch.equal(want, out)
     assert torch.equal(got, want)
     assert torch.equal(kernels.planned_experts(states, "sig", tuple(second.get(name) for name in ARG_NAMES)), want)
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_launch_plan_past_the_one_launch_sort_replays_bitwise(static, monkeypatch):
+    # more than 2048 slots: the three-launch sort; with the Triton GEMMs (no Gluon launch,
+    # which the plans cannot replay) such a signature has a plan too
+    monkeypatch.setenv("FP8_MOE_GLUON", "0")
+    T, E, H, I, k, block, kind = EXPERT_CASES["mid-size"]
+    assert T * k > 2048
+
+    def inputs(seed):
+        args = make_experts_inputs(T, E, H, I, k, block, static=static, routing=kind, seed=seed)
+        args.update(activation="silu", swiglu_limit=None)
+        return tuple(_cuda(args.get(name)) for name in ARG_NAMES)
+
+    first, second = inputs(1), inputs(2)
+    states = {}
+    for _ in range(2):  # the second call records
+        kernels.planned_experts(states, "sig", first)
+    assert isinstance(states["sig"], ExpertsPlan) and states["sig"].device is not None
+    poison_free_memory()
+    got = kernels.planned_experts(states, "sig", second)
+    assert torch.equal(got, kernels.grouped_experts(*second))
+
+
+@pytest.mark.parametrize("S,E,kind", [
+    (2049, 8, "uniform"),      # a last block of one slot
+    (4096, 1, "uniform"),      # one expert
+    (65536, 256, "uniform"),   # deepseek_v3 T=8192
+    (131072, 128, "uniform"),  # qwen3_30b_a3b T=16384
+    (100003, 257, "uniform"),  # prime S, 258 bins
+    (50000, 64, "sentinel"),   # ids outside [0, E) on both sides
+    (30000, 16, "one"),        # every slot on one expert
+    (262147, 256, "uniform"),  # 257 blocks: the scan in five steps of 64 blocks
+    (1000003, 128, "sentinel"),  # 977 blocks
+])
+def test_three_launch_sort_equals_torch_sort(S, E, kind):
+    gen = torch.Generator(device="cuda").manual_seed(S)
+    ids = torch.randint(-1, E + 1, (S,), device="cuda", generator=gen)
+    if kind == "uniform":
+        ids = ids.clamp(0, E - 1)
+    elif kind == "one":
+        ids.fill_(E // 2)
+    perm, offsets = moe._sort_slots(ids, E)
+    rperm, roffsets = routing.sort_slots(ids, E)
+    assert perm.dtype == torch.int32 and torch.equal(perm.long(), rperm) and torch.equal(offsets, roffsets)

@@ -40,6 +40,7 @@ if INTERPRETED:
     from fp8_moe_ops import kernels, reference
     from fp8_moe_ops.kernels import experts, moe
     from fp8_moe_ops.kernels.grouped_gemm import _grouped_gemm_kernel
+    from fp8_moe_ops.kernels import sort
     from fp8_moe_ops.kernels.sort import _sort_quant_kernel
     from fp8_moe_ops.kernels.quant import expert_of_rows
 
@@ -337,7 +338,7 @@ def _check_experts(args, kw):
 def test_experts_shapes(case, static):
     args, kw = _experts_args(case, torch.bfloat16, torch.float32, static)
     out = _check_experts(args, kw)
-    # the path of S > MAX_SLOTS: torch's sort, then the quantisation in its own launch
+    # the path of S > MAX_SLOTS: the three-launch sort, then the quantisation in its own launch
     with mock.patch.object(experts, "COMBINE_SLOTS", 0), mock.patch.object(experts, "MAX_SLOTS", 0):
         assert torch.equal(kernels.grouped_experts(*args, **kw), out)
 
@@ -410,7 +411,7 @@ def test_experts_gate_up_a_quantised_in_sorted_order_equals_gathered_bitwise(sta
     # at prefill on Hopper the gate_up GEMM reads its A in place (kernels/ws_gemm.py cannot
     # gather): each token quantised once and stored at its slots' sorted rows (dynamic
     # too), the same bytes and scales as the gathered rows, so the same output.  MAX_SLOTS
-    # lowered: the torch sort's (prefill) path at an interpreter-sized S = 111
+    # lowered: the three-launch sort's (prefill) path at an interpreter-sized S = 111
     args, kw = _experts_args((37, 7, 64, 48, 3, [16, 16], kind), torch.bfloat16, torch.float32, static, seed=3)
     launched = []
 
@@ -423,7 +424,9 @@ def test_experts_gate_up_a_quantised_in_sorted_order_equals_gathered_bitwise(sta
         gathered = kernels.grouped_experts(*args, **kw)
         with mock.patch.object(experts, "_sorted_a", lambda *_: True), mock.patch.object(experts, "_calls", spy):
             in_place = kernels.grouped_experts(*args, **kw)
-    quant, gate_up = launched[0][:2]
+    hist, scan, scatter, quant, gate_up = launched[0][:5]
+    assert hist.kernel.__name__ == "_sort_hist_kernel" and scatter.constexprs["SLOT_ROWS"]
+    assert quant.args[10] is scatter.args[4]  # it stores each slot at the row the scatter wrote for it
     assert quant.constexprs["SLOTS"] and quant.constexprs["DEST"] and not gate_up.constexprs["GATHER_A"]
     assert quant.args[3].shape == (111, 64)  # q: one row per slot
     if not static:  # its scales K-group major, as the prefill path lays them out (experts._kmajor_scales)
@@ -625,20 +628,64 @@ def test_sort_slots_layout():
     (200, 9, "sentinel"),   # no slot on any expert
     (2048, 5, "random"),
     (2048, 255, "random"),  # the largest one-launch S, E + 1 = 256 bins
-    (2049, 4, "random"),    # torch path
+    (2049, 4, "random"),    # the three-launch sort, 1024 slots per program: a one-slot block
+    (2500, 256, "random"),  # 257 keys: 512 bins
 ])
 def test_sort_kernel_matches_torch_sort(S, E, kind):
-    # the one-launch sort (S <= 2048) and the torch path beyond both give the
+    # the one-launch sort (S <= 2048) and the three-launch sort beyond both give the
     # reference's stable permutation and offsets
+    perm, offsets = moe._sort_slots(_sort_ids(S, E, kind), E)
+    rperm, roffsets = reference.sort_by_expert(_sort_ids(S, E, kind).reshape(-1, 1), E)
+    assert perm.dtype == torch.int32 and torch.equal(perm.long(), rperm) and torch.equal(offsets, roffsets)
+
+
+def _sort_ids(S, E, kind):
     gen = torch.Generator().manual_seed(S)
     ids = torch.randint(-2, E + 2, (S,), generator=gen)  # incl. sentinels on both sides
     if kind == "one":
         ids.fill_(E // 2)
     elif kind == "sentinel":
         ids = torch.where(ids < E // 2, -1, E)
-    perm, offsets = moe._sort_slots(ids, E)
+    return ids
+
+
+@pytest.mark.parametrize("S,E,kind,block", [
+    (1, 3, "random", 4),       # one block, mostly padding
+    (16, 5, "random", 4),      # whole blocks only
+    (17, 5, "one", 4),         # a last block of one slot; every slot on one expert
+    (50, 1, "random", 8),      # one expert
+    (97, 7, "random", 8),      # prime E
+    (60, 9, "sentinel", 8),    # no slot on any expert
+    (300, 255, "random", 16),  # 256 bins: 8 scan programs of 32, 64 blocks a step
+    (300, 256, "random", 4),   # 512 bins, 75 blocks: 16 scan programs, two steps each
+])
+def test_three_launch_sort_and_inverse(S, E, kind, block):
+    # the sort of S > MAX_SLOTS at interpreter-sized S, in programs of `block` slots:
+    # histograms, their prefix sums over the blocks, the scatter; with slot_rows, also
+    # the inverse permutation
+    ids = _sort_ids(S, E, kind)
+    perm = torch.empty(S, dtype=torch.int32)
+    offsets = torch.full((E,), -7, dtype=torch.int32)
+    rows = torch.full((S,), -7, dtype=torch.int32)
+    with mock.patch.object(sort, "LARGE_BLOCK", block):
+        hist = torch.full(moe.large_sort_hist_shape(S, E), -7, dtype=torch.int32)
+        calls = moe._large_sort_calls(ids, perm, offsets, hist, rows, E)
+        for call in calls:
+            moe.launch(call)
     rperm, roffsets = reference.sort_by_expert(ids.reshape(-1, 1), E)
     assert torch.equal(perm.long(), rperm) and torch.equal(offsets, roffsets)
+    assert torch.equal(rows.long(), torch.empty_like(rperm).scatter_(0, rperm, torch.arange(S)))
+    blocks = -(-S // block)
+    assert hist.shape[0] == blocks + 1 and [c.grid for c in calls][::2] == [(blocks,)] * 2
+    keys = torch.where((ids >= 0) & (ids < E), ids, E)
+    assert torch.equal(hist[-1, :E + 1], torch.bincount(keys, minlength=E + 1).int())  # the totals row
+
+
+def test_three_launch_sort_refuses_keys_past_int32():
+    # its in-block sort packs key * BLOCK + lane into an int32
+    assert sort.large_sort_launch_shape(10**6, 2**21 - 1)[2] == 2**21
+    with pytest.raises(ValueError, match="expected at most 2097151, got 2097152"):
+        sort.large_sort_launch_shape(10**6, 2**21)
 
 
 @pytest.mark.parametrize("first", [0, 2], ids=["first_expert_empty", "first_expert_rows"])

@@ -3,8 +3,8 @@
 
 Layout of the forward (S = T * k slots, slot ``t*k + j`` is token t's j-th choice):
 
-1. ``perm`` (S,) sorted position -> slot, ``offsets`` (E,): :mod:`.sort` (one launch)
-   for S <= 2048, else :mod:`fp8_moe_ops.routing` (torch.sort);
+1. ``perm`` (S,) sorted position -> slot, ``offsets`` (E,): :mod:`.sort`, one launch
+   for S <= 2048, else three (histograms, their prefix sums, the scatter);
 2. activations quantised once, in the sort's launch where the sort is one: dynamic,
    (T, H) per token (scales do not depend on the expert); static, the (S, H) slots
    with their expert's scale, in slot order (that needs the ids, not the sort);
@@ -41,9 +41,8 @@ argument's value, found through a C++ guard of the tensors' metadata once a plan
 the same function (a strided ``top_k_index`` is copied dense on every call, as in the
 forward), allocates the output and one workspace and hands each launcher its list with
 the sources' addresses filled in: no launch config, grid, view or cache key is computed
-again.  A signature gets no plan (and runs the forward above on every call) for T = 0,
-for S > 2048 (the torch sort allocates, and the GPU's time dwarfs the CPU's) and where
-a launch is a Gluon kernel's (:func:`.launch.through_jit`).
+again.  A signature gets no plan (and runs the forward above on every call) for T = 0
+and where a launch is a Gluon kernel's (:func:`.launch.through_jit`: prefill on Hopper).
 """
 
 from __future__ import annotations
@@ -56,7 +55,6 @@ from typing import NamedTuple
 import torch
 from triton.runtime import driver
 
-from .. import routing
 from .._checks import keep_newest, meta_key, metadata_guard
 from ..functional import cdiv, next_power_of_2
 from . import ws_gemm
@@ -64,7 +62,8 @@ from .activation import gated_act_quant_call
 from .combine import combine_call
 from .config import gemm_config
 from .launch import KernelCall, cached, launch, through_jit
-from .moe import Combine, Gated, _block, _flat, _gemm_call, _quant_call, down_split
+from .moe import (Combine, Gated, _block, _flat, _gemm_call, _large_sort_calls, _quant_call, down_split,
+                  large_sort_hist_shape)
 from .quant import quant_launch_shape, scale_grid_strides
 from .sort import CNT_STEP, MAX_SLOTS, _sort_quant_kernel, sort_launch_shape
 
@@ -101,12 +100,16 @@ class Layout(NamedTuple):
 
 def _layout(T: int, k: int, E: int, H: int, I: int, bk: int, dtype: torch.dtype, static_gate_up: bool,
             static_down: bool, sorted_a: bool = False) -> Layout:
-    """The forward's intermediate buffers; ``perm`` / ``offsets`` only where the
-    one-launch sort runs (S <= 2048); ``sorted_a``: the gate_up GEMM's A stored per
-    expert-sorted slot (:func:`_sorted_a`); the dynamic scheme's activation scales
-    (rows, K groups) in the order :func:`_kmajor_scales` says."""
+    """The forward's intermediate buffers; ``hist`` where the sort takes three launches
+    (S > 2048); ``sorted_a``: the gate_up GEMM's A stored per expert-sorted slot
+    (:func:`_sorted_a`), at the rows ``slot_rows`` says; the dynamic scheme's activation
+    scales (rows, K groups) in the order :func:`_kmajor_scales` says."""
     S = T * k
-    bufs = [("perm", torch.int32, (S,)), ("offsets", torch.int32, (E,))] if S <= MAX_SLOTS else []
+    bufs = [("perm", torch.int32, (S,)), ("offsets", torch.int32, (E,))]
+    if S > MAX_SLOTS:
+        bufs.append(("hist", torch.int32, large_sort_hist_shape(S, E)))
+        if sorted_a:
+            bufs.append(("slot_rows", torch.int32, (S,)))
     if S <= COMBINE_SLOTS:
         bufs.append(("counters", torch.int32, (_counters(S, H, I, bk)[0],)))
         split = down_split(S, E, H, I)
@@ -134,7 +137,7 @@ def _layout(T: int, k: int, E: int, H: int, I: int, bk: int, dtype: torch.dtype,
 def _kmajor_scales(S: int) -> bool:
     """Whether the gate_up GEMM's dynamic activation scales (of a forward of S slots) are
     laid out K-group major (strides (1, rows)) rather than row-major: at prefill (the
-    torch sort's path, S > 2048), where the Hopper GEMM (:mod:`.ws_gemm`) then copies
+    three-launch sort's path, S > 2048), where the Hopper GEMM (:mod:`.ws_gemm`) then copies
     each K step's scales of a tile's rows (adjacent there) into shared memory beside its
     A tile, measured faster than its consumers' reads of row-major scales where it stores
     its rows in place (``grouped_mm``'s quantisation, ``moe._quantize``, follows the same
@@ -182,7 +185,7 @@ def _sort_quant_call(ids, perm, offsets, counters, E: int, x, q, q_scale, bk: in
 def _sorted_a(device: torch.device, gate_up: tuple, S: int, E: int, I: int, H: int, block: tuple[int, int]) -> bool:
     """Whether the gate_up GEMM reads its A rows in place, stored per expert-sorted slot
     rather than gathered per token: where the TMA kernel (:mod:`.ws_gemm`, which cannot
-    gather) runs it.  At prefill only (S > 2048, the torch sort's path), where storing
+    gather) runs it.  At prefill only (S > 2048, the three-launch sort's path), where storing
     k rows per token costs a few percent of the GEMM it speeds up."""
     w, w_scale = gate_up
     return S > MAX_SLOTS and isinstance(w, torch.Tensor) and ws_gemm.usable(device, w, w_scale, block,
@@ -210,16 +213,18 @@ def _calls(env: dict, E: int, I: int, block: tuple[int, int], activation: str, s
     static = gate_up_act_scale is not None
     q_scale = gate_up_act_scale if static else env["q_scale"]
     gemm = dict(offsets=offsets, perm=perm, gather_a=True, topk=1 if static else k, static=static)
-    if sorted_a:  # q (S, H) in sorted order, read in place: each token quantised once, stored per slot
-        calls = [_quant_call(hidden, q, q_scale, T, bk, static=static, topk=k, ids=ids, num_experts=E,
-                             dest=env["slot_rows"])]
-        gemm.update(gather_a=False, topk=1)
-    elif S <= MAX_SLOTS:
+    if S <= MAX_SLOTS:
         calls = [_sort_quant_call(ids, perm, offsets, counters, E, hidden, q, q_scale, bk, static)]
-    elif static:
-        calls = [_quant_call(hidden, q, q_scale, T, bk, static=True, topk=k, ids=ids, num_experts=E)]
     else:
-        calls = [_quant_call(hidden, q, q_scale, T, bk)]
+        calls = _large_sort_calls(ids, perm, offsets, env["hist"], env.get("slot_rows"), E)
+    if sorted_a:  # q (S, H) in sorted order, read in place: each token quantised once, stored per slot
+        calls.append(_quant_call(hidden, q, q_scale, T, bk, static=static, topk=k, ids=ids, num_experts=E,
+                                 dest=env["slot_rows"]))
+        gemm.update(gather_a=False, topk=1)
+    elif S > MAX_SLOTS and static:
+        calls.append(_quant_call(hidden, q, q_scale, T, bk, static=True, topk=k, ids=ids, num_experts=E))
+    elif S > MAX_SLOTS:
+        calls.append(_quant_call(hidden, q, q_scale, T, bk))
     # then act(gate) * up, rounded, quantised for the down projection: in the same launch
     # for S <= ACT_SLOTS, else its own
     a_q = env["a_q"]
@@ -250,7 +255,6 @@ def shape_calls(T: int, k: int, E: int, H: int, I: int, block: tuple[int, int], 
     grids; static: both act scales), built over meta-device placeholders and never run:
     for tools that inspect what a call launches (tests, ``bench/kernel_resources.py``)."""
     bn, bk = block
-    S = T * k
 
     def meta(*shape, dt=torch.float32):
         return torch.zeros((), dtype=dt, device="meta").expand(*shape)
@@ -258,8 +262,6 @@ def shape_calls(T: int, k: int, E: int, H: int, I: int, block: tuple[int, int], 
     layout = _layout(T, k, E, H, I, bk, dtype, static, static)
     ws = torch.empty(layout.nbytes, dtype=torch.uint8, device="meta")
     env = dict(zip((name for name, *_ in layout.buffers), layout.views(ws)))
-    if S > MAX_SLOTS:  # torch's sort makes these
-        env.update(perm=meta(S, dt=torch.int64), offsets=meta(E, dt=torch.int64))
     env.update(hidden=meta(T, H, dt=dtype), top_k_index=meta(T, k, dt=torch.int64), top_k_weights=meta(T, k),
                out=meta(T, H, dt=dtype), gate_up_act_scale=meta(E) if static else None,
                down_act_scale=meta(E) if static else None)
@@ -287,10 +289,6 @@ def experts_forward(sources: dict, E: int, I: int, block: tuple[int, int], gate_
     ws = torch.empty(layout.nbytes, dtype=torch.uint8, device=hidden.device)
     env = dict(sources, out=out)
     env.update(zip((name for name, *_ in layout.buffers), layout.views(ws)))
-    if T * k > MAX_SLOTS:
-        env["perm"], env["offsets"] = routing.sort_slots(top_k_index, E)
-        if sorted_a:  # each slot's sorted position: where the quantisation stores it
-            env["slot_rows"] = routing.sorted_positions(env["perm"])
     calls = _calls(env, E, I, block, activation, swiglu_limit, gate_up, down, sorted_a)
     for call in calls:
         launch(call)
@@ -527,7 +525,7 @@ class StackedPlans:
                     return out
                 guarded = True  # unaligned, or another current device: the keyed path
                 break
-        key = meta_key(args)
+        key = (meta_key(args), gluon)
         if key not in self.states:
             self._check(*args)
         sources = _stacked_sources(args)

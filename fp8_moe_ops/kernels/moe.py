@@ -15,7 +15,6 @@ from typing import NamedTuple
 
 import torch
 
-from .. import routing
 from ..functional import cdiv, next_power_of_2
 from . import ws_gemm
 from .activation import ACT_IDS
@@ -24,7 +23,8 @@ from .config import block_k, gemm_config
 from .grouped_gemm import WeightTable, _grouped_gemm_kernel, max_row_tiles
 from .launch import KernelCall, launch
 from .quant import _quant_kernel, quant_launch_shape, scale_grid_strides
-from .sort import MAX_SLOTS, _sort_kernel, sort_launch_shape
+from .sort import (MAX_SLOTS, _sort_hist_kernel, _sort_kernel, _sort_scan_kernel, _sort_scatter_kernel,
+                   large_sort_launch_shape, sort_launch_shape)
 
 __all__ = ["linear", "grouped_mm", "batched_mm"]
 
@@ -49,19 +49,46 @@ def _ep(E: int) -> int:
 
 
 def _sort_slots(expert_ids: torch.Tensor, E: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(perm (S,) sorted position -> slot, offsets (E,) int32): one launch for small S,
-    torch's sort beyond (same result: the stable order is unique)."""
+    """(perm (S,) int32 sorted position -> slot, offsets (E,) int32): one launch for
+    small S, three beyond (:mod:`.sort`; the same result as :func:`fp8_moe_ops.routing.sort_slots`:
+    the stable order is unique)."""
     S = expert_ids.numel()
-    if S > MAX_SLOTS:
-        return routing.sort_slots(expert_ids, E)
-    perm = torch.empty(S, dtype=torch.int32, device=expert_ids.device)
-    offsets = torch.empty(E, dtype=torch.int32, device=expert_ids.device)
+    device = expert_ids.device
+    perm = torch.empty(S, dtype=torch.int32, device=device)
+    offsets = torch.empty(E, dtype=torch.int32, device=device)
     if S == 0:  # an empty grid would leave offsets unwritten
         return perm, offsets.zero_()
+    ids = expert_ids.contiguous()
+    if S > MAX_SLOTS:
+        hist = torch.empty(large_sort_hist_shape(S, E), dtype=torch.int32, device=device)
+        for call in _large_sort_calls(ids, perm, offsets, hist, None, E):
+            launch(call)
+        return perm, offsets
     grid, block, bins, nb = sort_launch_shape(S, E)
-    launch(KernelCall(_sort_kernel, grid, (expert_ids.contiguous(), perm, offsets, offsets, 0, S, E),
+    launch(KernelCall(_sort_kernel, grid, (ids, perm, offsets, offsets, 0, S, E),
                       dict(BLOCK=block, NB=bins, NUM_BLOCKS=nb, CNT_BLOCK=0), {}))  # no counters to zero
     return perm, offsets
+
+
+def large_sort_hist_shape(S: int, E: int) -> tuple[int, int]:
+    """The (blocks + 1, bins) int32 histograms, then prefix sums, of the three-launch
+    sort of S > ``MAX_SLOTS`` slots."""
+    blocks, _, bins, _, _ = large_sort_launch_shape(S, E)
+    return blocks + 1, bins
+
+
+def _large_sort_calls(ids, perm, offsets, hist, slot_rows, E: int) -> list[KernelCall]:
+    """The three launches of the sort of the contiguous ``ids``' S > ``MAX_SLOTS`` slots
+    (:mod:`.sort`): the blocks' histograms into ``hist``, their prefix sums, then
+    ``perm``, ``offsets`` and, given ``slot_rows`` (S,), each slot's sorted position (the
+    inverse of ``perm``)."""
+    S = ids.numel()
+    blocks, block, bins, cb, rb = large_sort_launch_shape(S, E)
+    rows = perm if slot_rows is None else slot_rows
+    return [KernelCall(_sort_hist_kernel, (blocks,), (ids, hist, S, E), dict(BLOCK=block, NB=bins), {}),
+            KernelCall(_sort_scan_kernel, (bins // cb,), (hist, blocks), dict(NB=bins, CB=cb, RB=rb), {}),
+            KernelCall(_sort_scatter_kernel, (blocks,), (ids, hist, perm, offsets, rows, S, E, blocks),
+                       dict(BLOCK=block, NB=bins, SLOT_ROWS=slot_rows is not None), {})]
 
 
 def _quant_call(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, rows: int, bk: int, *, perm=None, offsets=None,

@@ -1,8 +1,11 @@
-"""One-launch stable sort of slots by expert id, for small S (decode-sized batches).
+"""Stable sort of slots by expert id on the GPU: one launch for small S (decode-sized
+batches), three beyond.
 
-The torch path (:func:`fp8_moe_ops.routing.sort_slots`) costs about eight launches
-(key, sort, arange, searchsorted, casts), which dominate a T = 1 layer inside a CUDA
-graph.  Here each program owns ``BLOCK`` slots (sentinels keyed E, so last):
+The torch path (:func:`fp8_moe_ops.routing.sort_slots`: a key, a 64-bit radix sort,
+searchsorted, casts and, at prefill, an inverse permutation) costs 8-37 launches and,
+on an H200, 45-110 µs past 2048 slots: more than a T = 1 layer's kernels inside a CUDA
+graph, and 14-22 % of a qwen3_30b_a3b layer at 512-2048 tokens (docs/benchmarks.md).
+Here each program owns ``BLOCK`` slots (sentinels keyed E, so last):
 
 * a histogram of all S keys (``offsets`` = its inclusive cumsum over [0, E)) and of
   the keys in the blocks before this one;
@@ -10,9 +13,15 @@ graph.  Here each program owns ``BLOCK`` slots (sentinels keyed E, so last):
 * the slot at position p of that order goes to
   ``#{keys < k} + #{earlier blocks' keys == k} + (p - #{own keys < k})``.
 
-O(S / BLOCK) histograms per program, no O(S^2) or O(E * S) compare matrix (the
-previous rank-counting version spent 10-37 us at T = 1-64 there).  Same results as
-the torch path, bitwise: a stable sort is unique.
+Up to ``MAX_SLOTS`` slots every program computes the histograms itself, O(S / BLOCK)
+of them per program (no O(S^2) or O(E * S) compare matrix: the previous rank-counting
+version spent 10-37 us at T = 1-64 there), in one launch with the activations'
+quantisation.  Beyond, three launches of O(S) work in all: each block's histogram
+(``LARGE_BLOCK`` slots per program), their exclusive prefix sums over the blocks, one
+program per ``SCAN_BINS`` bins (in place, the totals in one more row), then each block
+sorts itself and stores ``perm`` and, for the prefill GEMM that reads its A rows in
+place, the inverse (each slot's sorted position).  Same results as the torch path,
+bitwise: a stable sort is unique.
 """
 
 from __future__ import annotations
@@ -24,7 +33,9 @@ from ..functional import cdiv, next_power_of_2
 from .quant import quant_block
 
 BLOCK = 128
-MAX_SLOTS = 2048  # above this the torch path (radix sort) is cheaper
+MAX_SLOTS = 2048  # up to this many slots, one launch (each program histograms all S slots)
+LARGE_BLOCK = 1024  # slots per program of the three-launch sort
+SCAN_BINS = 32  # bins per program of its prefix sums
 CNT_STEP = tl.constexpr(1024)  # counters zeroed per store
 # The loop over slot blocks has a constant trip count (masked by S) so one compiled
 # kernel serves every S: a runtime trip count would also not run in the interpreter.
@@ -35,6 +46,32 @@ NUM_BLOCKS = MAX_SLOTS // BLOCK
 def _key(ids_ptr, j, S, E):
     ids = tl.load(ids_ptr + j, mask=j < S, other=-1)
     return tl.where((ids >= 0) & (ids < E), ids, E).to(tl.int32)
+
+
+@triton.jit
+def scatter_block(pid, ids_ptr, perm_ptr, offsets_ptr, rows_ptr, total, before, S, E, BLOCK: tl.constexpr,
+                  NB: tl.constexpr, SLOT_ROWS: tl.constexpr):
+    """Block ``pid``'s slots to their sorted positions, given the histograms (``NB``
+    bins) of all S keys (``total``) and of the blocks before this one (``before``):
+    ``perm[dest] = slot`` and, with ``SLOT_ROWS``, ``rows[slot] = dest``; program 0
+    also writes ``offsets``."""
+    lane = tl.arange(0, BLOCK)
+    i = pid * BLOCK + lane
+    key = _key(ids_ptr, i, S, E)  # padded lanes get key E, and sort after every valid lane
+    own = tl.histogram(key, NB, mask=i < S)
+    packed = tl.sort(key * BLOCK + lane)
+    k_p = packed // BLOCK
+    slot = pid * BLOCK + packed % BLOCK
+    less_all = tl.cumsum(total, 0) - total
+    less_own = tl.cumsum(own, 0) - own
+    dest = (tl.gather(less_all, k_p, 0) + tl.gather(before, k_p, 0)
+            + (lane - tl.gather(less_own, k_p, 0)))
+    tl.store(perm_ptr + dest, slot.to(perm_ptr.dtype.element_ty), mask=slot < S)
+    if SLOT_ROWS:
+        tl.store(rows_ptr + slot, dest.to(rows_ptr.dtype.element_ty), mask=slot < S)
+    if pid == 0:
+        eo = tl.arange(0, NB)
+        tl.store(offsets_ptr + eo, tl.cumsum(total, 0), mask=eo < E)
 
 
 @triton.jit
@@ -53,21 +90,8 @@ def sort_block(pid, ids_ptr, perm_ptr, offsets_ptr, cnt_ptr, n_cnt, S, E, BLOCK:
             h = tl.histogram(_key(ids_ptr, j, S, E), NB, mask=j < S)
             total += h
             before += tl.where(jb < pid, h, 0)
-    i = pid * BLOCK + lane
-    valid = i < S
-    key = _key(ids_ptr, i, S, E)  # padded lanes get key E, and sort after every valid lane
-    own = tl.histogram(key, NB, mask=valid)
-    packed = tl.sort(key * BLOCK + lane)
-    k_p = packed // BLOCK
-    slot = pid * BLOCK + packed % BLOCK
-    less_all = tl.cumsum(total, 0) - total
-    less_own = tl.cumsum(own, 0) - own
-    dest = (tl.gather(less_all, k_p, 0) + tl.gather(before, k_p, 0)
-            + (lane - tl.gather(less_own, k_p, 0)))
-    tl.store(perm_ptr + dest, slot.to(perm_ptr.dtype.element_ty), mask=slot < S)
+    scatter_block(pid, ids_ptr, perm_ptr, offsets_ptr, perm_ptr, total, before, S, E, BLOCK, NB, False)
     if pid == 0:
-        eo = tl.arange(0, NB)
-        tl.store(offsets_ptr + eo, tl.cumsum(total, 0), mask=eo < E)
         for c0 in range(0, CNT_BLOCK, CNT_STEP):
             c = c0 + tl.arange(0, CNT_STEP)
             tl.store(cnt_ptr + c, tl.zeros((CNT_STEP,), dtype=tl.int32), mask=c < n_cnt)
@@ -102,6 +126,60 @@ def _sort_quant_kernel(ids_ptr, perm_ptr, offsets_ptr, cnt_ptr, n_cnt, S, E, sor
                     SEARCH_STEPS=1, STATIC=STATIC, GATHER=False, SLOTS=STATIC, DEST=False)
 
 
+@triton.jit
+def _sort_hist_kernel(ids_ptr, hist_ptr, S, E, BLOCK: tl.constexpr, NB: tl.constexpr):
+    """The three-launch sort's first: block b's histogram of keys -> ``hist[b, :NB]``."""
+    b = tl.program_id(0)
+    j = b * BLOCK + tl.arange(0, BLOCK)
+    h = tl.histogram(_key(ids_ptr, j, S, E), NB, mask=j < S)
+    tl.store(hist_ptr + b * NB + tl.arange(0, NB), h)
+
+
+@triton.jit
+def _sort_scan_kernel(hist_ptr, n_blocks, NB: tl.constexpr, CB: tl.constexpr, RB: tl.constexpr):
+    """The second: ``hist`` (n_blocks + 1, NB), its first n_blocks rows the blocks'
+    histograms, becomes each bin's exclusive prefix sum over the blocks (the keys of the
+    blocks before each), and its last row the totals.  Program c takes bins
+    [c * CB, (c + 1) * CB), RB blocks a step (a ``while`` loop: the interpreter cannot
+    run a ``for`` to a run-time bound)."""
+    bins = tl.program_id(0) * CB + tl.arange(0, CB)
+    carry = tl.zeros((CB,), dtype=tl.int32)
+    j0 = 0
+    while j0 < n_blocks:
+        jb = j0 + tl.arange(0, RB)
+        mask = (jb < n_blocks)[:, None]
+        ptrs = hist_ptr + jb[:, None] * NB + bins[None, :]
+        h = tl.load(ptrs, mask=mask, other=0)
+        tl.store(ptrs, tl.cumsum(h, 0) - h + carry[None, :], mask=mask)
+        carry += tl.sum(h, 0)
+        j0 += RB
+    tl.store(hist_ptr + n_blocks * NB + bins, carry)
+
+
+@triton.jit
+def _sort_scatter_kernel(ids_ptr, hist_ptr, perm_ptr, offsets_ptr, rows_ptr, S, E, n_blocks, BLOCK: tl.constexpr,
+                         NB: tl.constexpr, SLOT_ROWS: tl.constexpr):
+    """The third: block b's slots to their sorted positions, from its row of the prefix
+    sums and the totals."""
+    b = tl.program_id(0)
+    bins = tl.arange(0, NB)
+    before = tl.load(hist_ptr + b * NB + bins)
+    total = tl.load(hist_ptr + n_blocks * NB + bins)
+    scatter_block(b, ids_ptr, perm_ptr, offsets_ptr, rows_ptr, total, before, S, E, BLOCK, NB, SLOT_ROWS)
+
+
 def sort_launch_shape(S: int, E: int) -> tuple[tuple[int], int, int, int]:
     """(grid, BLOCK, NB, NUM_BLOCKS) for S slots (S <= MAX_SLOTS)."""
     return (cdiv(S, BLOCK),), BLOCK, next_power_of_2(E + 1), NUM_BLOCKS
+
+
+def large_sort_launch_shape(S: int, E: int) -> tuple[int, int, int, int, int]:
+    """(blocks, BLOCK, NB, CB, RB) of the three-launch sort of S slots: ``blocks``
+    programs of BLOCK slots in the first and the third launch, NB bins, the (blocks + 1,
+    NB) int32 histograms between them, and the scan's NB / CB programs of CB bins taking
+    RB blocks a step (RB x CB = 2048 int32)."""
+    bins = next_power_of_2(E + 1)
+    if bins * LARGE_BLOCK > 2**31:  # the in-block sort's key * BLOCK + lane is an int32
+        raise ValueError(f"number of experts: expected at most {2**31 // LARGE_BLOCK - 1}, got {E}")
+    cb = min(bins, SCAN_BINS)
+    return cdiv(S, LARGE_BLOCK), LARGE_BLOCK, bins, cb, 2048 // cb
