@@ -2,9 +2,10 @@
 batches), three beyond.
 
 The torch path (:func:`fp8_moe_ops.routing.sort_slots`: a key, a 64-bit radix sort,
-searchsorted, casts and, at prefill, an inverse permutation) costs 8-37 launches and,
-on an H200, 45-110 µs past 2048 slots: more than a T = 1 layer's kernels inside a CUDA
-graph, and 14-22 % of a qwen3_30b_a3b layer at 512-2048 tokens (docs/benchmarks.md).
+searchsorted, casts and, at prefill, an inverse permutation) costs 15-32 launches and
+60-120 µs on an H200 (``bench/sort_slots.py``): at T = 1 that dominated a layer inside
+a CUDA graph, and past 2048 slots it was 14-22 % of a qwen3_30b_a3b layer at 512-2048
+tokens (docs/benchmarks.md).
 Here each program owns ``BLOCK`` slots (sentinels keyed E, so last):
 
 * a histogram of all S keys (``offsets`` = its inclusive cumsum over [0, E)) and of
