@@ -430,8 +430,8 @@ def test_launch_plan_past_the_one_launch_sort_replays_bitwise(static, monkeypatc
     (100003, 257, "uniform"),  # prime S, 258 bins
     (50000, 64, "sentinel"),   # ids outside [0, E) on both sides
     (30000, 16, "one"),        # every slot on one expert
-    (262147, 256, "uniform"),  # 257 blocks: the scan in five steps of 64 blocks
-    (1000003, 128, "sentinel"),  # 977 blocks
+    (262147, 256, "uniform"),  # 1025 blocks: the scan in five steps of 256 blocks
+    (1000003, 128, "sentinel"),  # 3907 blocks
 ])
 def test_three_launch_sort_equals_torch_sort(S, E, kind):
     gen = torch.Generator(device="cuda").manual_seed(S)

@@ -628,7 +628,7 @@ def test_sort_slots_layout():
     (200, 9, "sentinel"),   # no slot on any expert
     (2048, 5, "random"),
     (2048, 255, "random"),  # the largest one-launch S, E + 1 = 256 bins
-    (2049, 4, "random"),    # the three-launch sort, 1024 slots per program: a one-slot block
+    (2049, 4, "random"),    # the three-launch sort, 256 slots per program: a one-slot block
     (2500, 256, "random"),  # 257 keys: 512 bins
 ])
 def test_sort_kernel_matches_torch_sort(S, E, kind):
@@ -649,25 +649,26 @@ def _sort_ids(S, E, kind):
     return ids
 
 
-@pytest.mark.parametrize("S,E,kind,block", [
-    (1, 3, "random", 4),       # one block, mostly padding
-    (16, 5, "random", 4),      # whole blocks only
-    (17, 5, "one", 4),         # a last block of one slot; every slot on one expert
-    (50, 1, "random", 8),      # one expert
-    (97, 7, "random", 8),      # prime E
-    (60, 9, "sentinel", 8),    # no slot on any expert
-    (300, 255, "random", 16),  # 256 bins: 8 scan programs of 32, 64 blocks a step
-    (300, 256, "random", 4),   # 512 bins, 75 blocks: 16 scan programs, two steps each
+@pytest.mark.parametrize("S,E,kind,block,scan_bins", [
+    (1, 3, "random", 4, 8),         # one block, mostly padding
+    (16, 5, "random", 4, 8),        # whole blocks only
+    (17, 5, "one", 4, 8),           # a last block of one slot; every slot on one expert
+    (50, 1, "random", 8, 8),        # one expert
+    (97, 7, "random", 8, 8),        # prime E
+    (60, 9, "sentinel", 8, 8),      # no slot on any expert
+    (300, 256, "random", 4, 8),     # 512 bins: 64 scan programs of 8, 75 blocks in one step of 256
+    (300, 255, "random", 4, 256),   # 256 bins: one scan program, ten steps of 8 blocks
+    (300, 300, "random", 4, 256),   # 512 bins: two scan programs, ten steps of 8 blocks, the last of 3
 ])
-def test_three_launch_sort_and_inverse(S, E, kind, block):
+def test_three_launch_sort_and_inverse(S, E, kind, block, scan_bins):
     # the sort of S > MAX_SLOTS at interpreter-sized S, in programs of `block` slots:
-    # histograms, their prefix sums over the blocks, the scatter; with slot_rows, also
-    # the inverse permutation
+    # histograms, their prefix sums over the blocks (`scan_bins` bins a program), the
+    # scatter; with slot_rows, also the inverse permutation
     ids = _sort_ids(S, E, kind)
     perm = torch.empty(S, dtype=torch.int32)
     offsets = torch.full((E,), -7, dtype=torch.int32)
     rows = torch.full((S,), -7, dtype=torch.int32)
-    with mock.patch.object(sort, "LARGE_BLOCK", block):
+    with mock.patch.object(sort, "LARGE_BLOCK", block), mock.patch.object(sort, "SCAN_BINS", scan_bins):
         hist = torch.full(moe.large_sort_hist_shape(S, E), -7, dtype=torch.int32)
         calls = moe._large_sort_calls(ids, perm, offsets, hist, rows, E)
         for call in calls:
@@ -683,9 +684,10 @@ def test_three_launch_sort_and_inverse(S, E, kind, block):
 
 def test_three_launch_sort_refuses_keys_past_int32():
     # its in-block sort packs key * BLOCK + lane into an int32
-    assert sort.large_sort_launch_shape(10**6, 2**21 - 1)[2] == 2**21
-    with pytest.raises(ValueError, match="expected at most 2097151, got 2097152"):
-        sort.large_sort_launch_shape(10**6, 2**21)
+    most = 2**31 // sort.LARGE_BLOCK - 1  # E + 1 keys, a power of two
+    assert sort.large_sort_launch_shape(10**6, most)[2] == most + 1
+    with pytest.raises(ValueError, match=f"expected at most {most}, got {most + 1}"):
+        sort.large_sort_launch_shape(10**6, most + 1)
 
 
 @pytest.mark.parametrize("first", [0, 2], ids=["first_expert_empty", "first_expert_rows"])

@@ -35,8 +35,11 @@ from .quant import quant_block
 
 BLOCK = 128
 MAX_SLOTS = 2048  # up to this many slots, one launch (each program histograms all S slots)
-LARGE_BLOCK = 1024  # slots per program of the three-launch sort
-SCAN_BINS = 32  # bins per program of its prefix sums
+# slots per program of the three-launch sort, and bins per program of its prefix sums: on
+# the H200 256 / 8 sorted 4096-131072 slots in 11-17 µs where 1024 / 32 took 19-21
+# (bench/sort_slots.py with both patched; docs/benchmarks.md)
+LARGE_BLOCK = 256
+SCAN_BINS = 8
 CNT_STEP = tl.constexpr(1024)  # counters zeroed per store
 # The loop over slot blocks has a constant trip count (masked by S) so one compiled
 # kernel serves every S: a runtime trip count would also not run in the interpreter.
