@@ -375,7 +375,7 @@ class ExpertsPlan:
         the keys of its ``sources``, in the order a replay passes them), or None where
         it cannot have one (see the module's docstring)."""
         buffers = [name for name, *_ in layout.buffers]
-        if not calls or "perm" not in buffers or any(map(through_jit, calls)):
+        if not calls or any(map(through_jit, calls)):
             return None
         sources = {}
         for i, name in enumerate([*names, "out", *buffers]):
