@@ -6,6 +6,7 @@ searchsorted, casts and, at prefill, an inverse permutation) costs 15-32 launche
 60-120 µs on an H200 (``bench/sort_slots.py``): at T = 1 that dominated a layer inside
 a CUDA graph, and past 2048 slots it was 14-22 % of a qwen3_30b_a3b layer at 512-2048
 tokens (docs/benchmarks.md).
+
 Here each program owns ``BLOCK`` slots (sentinels keyed E, so last):
 
 * a histogram of all S keys (``offsets`` = its inclusive cumsum over [0, E)) and of
