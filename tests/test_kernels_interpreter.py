@@ -491,6 +491,25 @@ def test_plan_replays_the_forward_bitwise(case, static, scale_dtype):
     assert torch.equal(kernels.planned_experts(states, "sig", second), want)
 
 
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_plan_past_max_slots_replays_the_forward_bitwise(static):
+    # past MAX_SLOTS (lowered here to 16, in blocks of 8 slots; COMBINE_SLOTS with it: the
+    # fused combine's counters are zeroed by the one-launch sort) the sort takes three
+    # launches, its histograms in the workspace: such a signature has a plan too, and its
+    # replay on another call equals the forward, and the forward the one-launch sort's
+    first = _positional(*_experts_args("sentinels", torch.bfloat16, torch.float32, static, seed=21))
+    second = _positional(*_experts_args("sentinels", torch.bfloat16, torch.float32, static, seed=22))
+    with mock.patch.object(experts, "COMBINE_SLOTS", 0):
+        one_launch = kernels.grouped_experts(*second)
+        with mock.patch.object(experts, "MAX_SLOTS", 16), mock.patch.object(sort, "LARGE_BLOCK", 8):
+            states, out = _recorded(first)
+            assert "hist" in [name for name, *_ in states["sig"]._layout.buffers]
+            want = kernels.grouped_experts(*second)
+            assert not torch.equal(want, out)
+            assert torch.equal(kernels.planned_experts(states, "sig", second), want)
+    assert torch.equal(want, one_launch)
+
+
 def test_op_records_a_plan_on_a_signatures_second_call():
     # the CUDA kernel of the stacked ops (kernels.StackedPlans), driven here with CPU
     # tensors and the interpreted kernels: check + forward, then record, then replay

@@ -146,6 +146,7 @@ def test_experts_launches_by_slot_count(slots, static):
     from fp8_moe_ops.kernels import experts
 
     assert experts.ACT_SLOTS <= experts.COMBINE_SLOTS  # the activation's counters exist only there
+    assert experts.COMBINE_SLOTS <= experts.MAX_SLOTS  # the one-launch sort zeroes the counters
     calls = experts.shape_calls(slots // 4, 4, 8, 64, 32, (16, 16), static)
     assert _launch_names(calls) == LAUNCHES[slots]
 

@@ -71,9 +71,10 @@ __all__ = ["grouped_experts", "batched_experts", "experts_forward", "planned", "
            "StackedPlans"]
 
 _ALIGN = 256  # bytes from one workspace buffer to the next (the kernels need 16)
-# at most this many slots: the combine runs in the down GEMM's launch (the last program of a
-# column tile combines all T tokens' slots there, so its share grows with S: on the H200, 128
-# and 256 saved the combine's launch but slowed the down GEMM as much or more, docs/benchmarks.md)
+# at most this many slots (and <= MAX_SLOTS: the one-launch sort zeroes the counters): the
+# combine runs in the down GEMM's launch (the last program of a column tile combines all T
+# tokens' slots there, so its share grows with S: on the H200, 128 and 256 saved the
+# combine's launch but slowed the down GEMM as much or more, docs/benchmarks.md)
 COMBINE_SLOTS = 64
 # at most this many slots (and <= COMBINE_SLOTS: the counters): the activation runs in the
 # gate_up GEMM's launch.  On the H200 (with decode programs capped at 128 registers) that
