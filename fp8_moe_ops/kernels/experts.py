@@ -218,14 +218,14 @@ def _calls(env: dict, E: int, I: int, block: tuple[int, int], activation: str, s
         calls = [_sort_quant_call(ids, perm, offsets, counters, E, hidden, q, q_scale, bk, static)]
     else:
         calls = _large_sort_calls(ids, perm, offsets, env["hist"], env.get("slot_rows"), E)
-    if sorted_a:  # q (S, H) in sorted order, read in place: each token quantised once, stored per slot
-        calls.append(_quant_call(hidden, q, q_scale, T, bk, static=static, topk=k, ids=ids, num_experts=E,
-                                 dest=env["slot_rows"]))
-        gemm.update(gather_a=False, topk=1)
-    elif S > MAX_SLOTS and static:
-        calls.append(_quant_call(hidden, q, q_scale, T, bk, static=True, topk=k, ids=ids, num_experts=E))
-    elif S > MAX_SLOTS:
-        calls.append(_quant_call(hidden, q, q_scale, T, bk))
+        if sorted_a:  # q (S, H) in sorted order, read in place: each token quantised once, stored per slot
+            calls.append(_quant_call(hidden, q, q_scale, T, bk, static=static, topk=k, ids=ids, num_experts=E,
+                                     dest=env["slot_rows"]))
+            gemm.update(gather_a=False, topk=1)
+        elif static:
+            calls.append(_quant_call(hidden, q, q_scale, T, bk, static=True, topk=k, ids=ids, num_experts=E))
+        else:
+            calls.append(_quant_call(hidden, q, q_scale, T, bk))
     # then act(gate) * up, rounded, quantised for the down projection: in the same launch
     # for S <= ACT_SLOTS, else its own
     a_q = env["a_q"]
@@ -512,7 +512,7 @@ class StackedPlans:
         self._check = check
         self.states: dict = {}  # (meta_key, FP8_MOE_GLUON) -> plan state (planned)
         self._replays: dict = {}  # cheap key -> [(guard, tensors of args, sources of args, plan)], newest last
-        self._keyed_only: set = set()  # meta_keys whose calls cannot be guarded
+        self._keyed_only: set = set()  # (meta_key, FP8_MOE_GLUON) keys whose calls cannot be guarded
 
     def __call__(self, args: tuple) -> torch.Tensor:
         hidden = args[0]
