@@ -241,6 +241,9 @@ def slots_override(spec: str) -> None:
     if values["ACT_SLOTS"] > values["COMBINE_SLOTS"]:
         raise ValueError(f"slots_override: expected ACT_SLOTS <= COMBINE_SLOTS (the activation's counters are the "
                          f"combine's), got {values}")
+    if values["COMBINE_SLOTS"] > experts.MAX_SLOTS:
+        raise ValueError(f"slots_override: expected COMBINE_SLOTS <= MAX_SLOTS = {experts.MAX_SLOTS} (the one-launch "
+                         f"sort zeroes the counters), got {values}")
     for name, value in values.items():
         setattr(experts, name, value)
 

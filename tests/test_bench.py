@@ -171,7 +171,7 @@ def test_slots_override_sets_the_thresholds_and_refuses_others(common, monkeypat
     common.slots_override("COMBINE_SLOTS=128")
     assert (experts.ACT_SLOTS, experts.COMBINE_SLOTS) == (16, 128)
     assert len(experts.shape_calls(16, 8, 128, 256, 96, (128, 128))) == 4
-    for bad in ("MAX_SLOTS=8", "ACT_SLOTS=x", "ACT_SLOTS=-1", "ACT_SLOTS=256"):
+    for bad in ("MAX_SLOTS=8", "ACT_SLOTS=x", "ACT_SLOTS=-1", "ACT_SLOTS=256", "COMBINE_SLOTS=4096"):
         with pytest.raises(ValueError, match="slots_override"):
             common.slots_override(bad)
     assert (experts.ACT_SLOTS, experts.COMBINE_SLOTS) == (16, 128)  # a refused spec changes nothing
