@@ -251,20 +251,25 @@ def test_batched_mm_with_sentinels(static, scale_dtype):
 
 
 @pytest.mark.parametrize("BN", [16, 32, 64], ids=["tile_in_block", "tile_is_block", "tile_spans_blocks"])
+@pytest.mark.parametrize("BM", [16, 64], ids=["rows16", "rows64"])
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
 @pytest.mark.parametrize("scale_dtype", [torch.float32, E8M0], ids=["f32", "ue8m0"])
-def test_weight_scale_per_tile_and_per_column(monkeypatch, BN, static, scale_dtype):
+def test_weight_scale_per_tile_and_per_column(monkeypatch, BN, BM, static, scale_dtype):
     # bn = 32: BN = 16 / 32 take one weight scale per tile and K step
-    # (W_SCALE_PER_TILE), BN = 64 one per column; N = 72 leaves a partial block
-    E, S, N, K, block = 3, 11, 72, 48, [32, 16]
-    gen = torch.Generator().manual_seed(BN)
+    # (W_SCALE_PER_TILE), BN = 64 one per column; N = 72 leaves a partial block.
+    # Tiles of 64 rows load the dynamic scheme's scales a K step ahead
+    E, S, N, K, block = 3, 11, 72, 40, [32, 16]
+    gen = torch.Generator().manual_seed(BN + BM)
     w = torch.randn(E, N, K, generator=gen) * 0.1
     w[2, 32:64] *= 16  # neighbouring scale blocks differ a lot (UE8M0 too): a mixed-up block shows
+    w[:, :, 16:32] /= 8  # and so do neighbouring K groups: a scale of the wrong K step shows
     w, ws = reference.quantize_weight_blockwise(w, block, scale_dtype)
-    x = torch.randn(S, K, generator=gen).to(torch.bfloat16)
+    x = torch.randn(S, K, generator=gen)
+    x[:, 32:] *= 64  # the last K group (partial: K = 40) has its own activation scales
+    x = x.to(torch.bfloat16)
     offsets = _counts_to_offsets([4, 0, 6])  # an empty expert, one row past the last
     a = torch.rand(E, generator=gen) * 0.01 + 0.002 if static else None
-    monkeypatch.setattr(moe, "gemm_config", lambda *_: dict(BM=16, BN=BN, GROUP_M=8, num_warps=4, num_stages=2))
+    monkeypatch.setattr(moe, "gemm_config", lambda *_: dict(BM=BM, BN=BN, GROUP_M=8, num_warps=4, num_stages=2))
     out = kernels.grouped_mm(x, w, ws, offsets, block, a)
     _ulp_close(out, reference.grouped_mm(x, w, ws, offsets, block, a))
 
