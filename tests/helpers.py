@@ -201,14 +201,17 @@ def as_expert_lists(args: dict, separate: bool = False) -> dict:
     return out
 
 
-def with_split_k(gemm_config, split: int):
+def with_split_k(gemm_config, split: int, rows: int | None = None):
     """``gemm_config`` (``fp8_moe_ops.kernels.moe``'s) giving the down GEMM with the fused
-    combine ``split`` K ranges: to monkeypatch in, so small test shapes run split-K."""
+    combine ``split`` K ranges (and, with ``rows``, row tiles of that many rows): to
+    monkeypatch in, so small test shapes run split-K."""
 
     def config(S, E, N, K, split_k=False, sms=None):
         cfg = gemm_config(S, E, N, K, split_k, sms)
         if split_k:
             cfg["SPLIT"] = split
+            if rows is not None:
+                cfg["BM"] = rows
         return cfg
 
     return config

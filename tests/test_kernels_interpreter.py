@@ -377,14 +377,16 @@ _SPLIT_CASES = {  # I = 88: 6 K steps of 16, the last one partial
 }
 
 
-@pytest.mark.parametrize("split", [2, 7])  # 7: one K step per range and an empty last range
+# 7: one K step per range and an empty last range; 4: ranges of two steps, the last range's
+# both past K, which 64-row tiles (the dynamic scheme's scales loaded a step ahead) read
+@pytest.mark.parametrize("split,rows", [(2, None), (7, None), (4, 64)], ids=["2", "7", "4_rows64"])
 @pytest.mark.parametrize("case", list(_SPLIT_CASES))
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
-def test_experts_split_k_down(case, static, split, monkeypatch):
+def test_experts_split_k_down(case, static, split, rows, monkeypatch):
     # the down GEMM's K in ranges (decode with few experts): float32 partials that the
     # fused combine adds in order, then rounds
     real = moe.gemm_config
-    monkeypatch.setattr(moe, "gemm_config", with_split_k(real, split))
+    monkeypatch.setattr(moe, "gemm_config", with_split_k(real, split, rows))
     args, kw = _experts_args(_SPLIT_CASES[case], torch.bfloat16, torch.float32, static, seed=split)
     E, H, I = args[3].shape[0], args[0].shape[1], args[5].shape[2]
     # the down scale grid inside NaN columns: a K step past I must not read a scale
