@@ -10,6 +10,8 @@ every step) by ``a_scale[:, None] * w_scale[None, :]``.  When ``BN`` divides ``b
 per K step (``W_SCALE_PER_TILE``): the rescale is then one multiply-add per
 accumulator element, ``acc += dot * (a_scale * w_scale)[:, None]``, instead of an
 outer product plus a multiply-add, which matters where the tensor cores wait on it.
+With dynamic scales and tiles of 64 rows or more, each K step's scales (a gather of
+its rows' scales, which Triton's pipeliner does not prefetch) are loaded a step ahead.
 
 No host sync and a grid independent of the routing: every program reads the (E,)
 ``offsets`` and finds its own (expert, row tile) with a cumsum of tiles per expert.
