@@ -36,6 +36,9 @@ GEMM_CASES = {  # S, E, N, K, block
     "one expert": (1500, 1, 384, 1024, [128, 128]),
     "blocks 256": (2600, 3, 512, 768, [256, 256]),
     "many tiles": (8192, 8, 2048, 1792, [128, 128]),
+    # two K steps: one trip of the two-step loop and no odd last step; wide tiles, two single steps
+    "two K steps": (3000, 3, 384, 240, [128, 128]),
+    "two K steps, wide tiles": (3000, 3, 512, 208, [128, 128]),
 }
 SCALES = {"f32": (torch.float32, False), "e8m0": (E8M0, False), "per-tensor": (torch.float32, True)}
 DTYPES = {"bf16": (torch.bfloat16, None), "fp16": (torch.float16, None), "bf16->fp32": (torch.bfloat16, torch.float32)}
