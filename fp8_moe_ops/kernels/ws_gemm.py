@@ -122,8 +122,8 @@ def usable(device: torch.device, w: torch.Tensor, w_scale: torch.Tensor, block: 
     table chooses: K at least its entry's ``ws_min_k`` (set in its prefill entries and
     in its mid-size ones from 64 rows per expert: the benchmark layers, K from 768 to
     14336, measured faster with it there; the kernel then runs its own 128 x 128 tiles,
-    the entry's tiles being the Triton kernel's), overridden by ``FP8_MOE_GLUON``: ``0`` never, ``1`` wherever
-    it can run.  It can run with Triton 3.6 (:data:`AVAILABLE`) on an sm_90 GPU (not the
+    the entry's tiles being the Triton kernel's), overridden by ``FP8_MOE_GLUON``:
+    ``0`` never, ``1`` wherever it can run.  It can run with Triton 3.6 (:data:`AVAILABLE`) on an sm_90 GPU (not the
     interpreter) for an entry that names a ``ws_min_k`` or has 128 x 128 tiles, without
     split K, with one weight scale per tile and K step, K a multiple of 16 and ``w``
     contiguous and 16-byte aligned (TMA).  A must also pass :func:`tma_ready`."""
