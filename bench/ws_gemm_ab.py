@@ -13,10 +13,9 @@ process times ``torch.ops.fp8_moe.grouped_experts`` several ways, on the same in
 * ``ws_tiles``: as ``ws`` with one program per tile instead of the persistent launch
   (one program per SM, each taking every SM-count-th tile);
 * ``ws_down_only``: the Gluon kernel for the down GEMM only (the gate_up GEMM gathers);
-* ``ws_mid``: as ``ws``, with the launch table's 64-row entries (9 to 384 rows per
-  expert, 128 for deepseek_v3's weights) replaced by its prefill entry, so the Gluon
-  kernel takes those GEMMs at every mid size (the shipped table gives it those from 64
-  rows per expert) and the Triton kernel runs the others (gathered rows) in 128-row tiles;
+* ``ws_mid``: as ``ws``, with the launch table's mid-size entries (64-row tiles, up to
+  128-384 rows per expert) replaced by its prefill entry's tiles, so the Gluon kernel
+  takes those GEMMs too;
 * ``ws_col``: as ``ws`` with the Gluon kernel's ``GROUP_M`` = 1 (each row tile's
   column tiles in a row) instead of the table's 8;
 * ``ws_nolag``: as ``shipped`` with the Gluon kernel's ``LAG`` off (each consumer
