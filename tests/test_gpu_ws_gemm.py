@@ -196,3 +196,50 @@ def test_experts_scales_kmajor_equal_row_major_bitwise(case, ws_launches, monkey
     assert kmajor_flags[2:] == [False, False] and len(ws_launches) == 4
     assert torch.equal(kmajor, row_major)
     assert not kmajor.isnan().any()
+
+
+@pytest.mark.parametrize("scales", ["f32", "e8m0"])
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+@pytest.mark.parametrize("case", list(EXPERT_CASES))
+def test_launch_plan_replays_gluon_launches_on_new_inputs_bitwise(case, static, scales, ws_launches):
+    # a signature's second call records its launches, the Gluon GEMMs' included (each TMA
+    # descriptor kept as its base's source, shape and strides); its third, on new inputs
+    # (routing, weights, addresses), replays them without building a launch and equals the
+    # forward without a plan and the Triton kernels'.  The op, from its third call of a
+    # signature (its plan, found through the guard), the same; captured in a CUDA graph
+    # and replayed on new routing, the same as its eager call
+    T, E, H, I, k, block, routing = EXPERT_CASES[case]
+
+    def inputs(seed):
+        args = make_experts_inputs(T, E, H, I, k, block, torch.bfloat16, SCALES[scales][0], static, routing,
+                                   seed=seed)
+        return dict(zip(args, _cuda(*args.values())))
+
+    def positional(args):
+        return tuple({**args, "activation": "silu"}.get(name) for name in experts.ARG_NAMES)
+
+    first, second = inputs(T + 2), inputs(T + 3)
+    states = {}
+    for _ in range(2):
+        experts.planned_experts(states, "sig", positional(first))
+    assert isinstance(states["sig"], experts.ExpertsPlan) and states["sig"].device is not None
+    built = len(ws_launches)
+    poison_free_memory()
+    got = experts.planned_experts(states, "sig", positional(second))
+    assert len(ws_launches) == built, "the replay built a Gluon launch"
+    assert not got.isnan().any()
+    poison_free_memory()
+    assert torch.equal(experts.grouped_experts(*positional(second)), got)
+    assert len(ws_launches) > built, "the Gluon kernel did not run"
+    assert torch.equal(ws_launches.off(lambda: experts.grouped_experts(*positional(second))), got)
+
+    for _ in range(3):
+        poison_free_memory()
+        assert torch.equal(OPS.grouped_experts(**second), got)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = OPS.grouped_experts(**second)
+    for name in ("hidden", "top_k_index", "top_k_weights"):
+        second[name].copy_(first[name])
+    graph.replay()
+    assert torch.equal(out, OPS.grouped_experts(**second))

@@ -219,6 +219,87 @@ def test_ws_gemm_reads_activation_scales_either_way(monkeypatch):
                              max_programs=132)
 
 
+def test_the_launch_cache_keys_a_descriptor_on_what_the_jit_specialises():
+    # a descriptor's base dtype, block shape, layout and padding (its shape and strides
+    # are run-time arguments of the compiled launcher); unhashable as it is
+    from fp8_moe_ops.kernels.launch import _spec
+
+    def desc(t, block, padding="zero"):
+        return ws_gemm.TensorDescriptor.from_tensor(t, block, ws_gemm.shared_layout(block), padding)
+
+    q = torch.zeros(256, 512, dtype=FP8)
+    key = _spec(desc(q, [128, 128]))
+    hash(key)
+    assert _spec(desc(q[:128], [128, 128])) == key  # other rows
+    assert _spec(desc(q.view(torch.int8), [128, 128])) != key
+    assert _spec(desc(q, [64, 128])) != key
+    x = torch.zeros(256, 512, dtype=torch.bfloat16)
+    assert _spec(desc(x, [64, 128])) != _spec(desc(x, [64, 128], padding="nan"))
+
+
+def test_a_plan_replays_gluon_gemms_on_descriptors_of_the_new_calls_tensors(monkeypatch):
+    # a prefill forward whose two GEMMs the Gluon kernel takes, recorded with fake
+    # launchers: a replay hands each launcher, for each TMA descriptor, the recorded one's
+    # shape, strides and padding on the address of the new call's tensor of its base
+    # (the weights given, the workspace's buffers of this replay)
+    from types import SimpleNamespace
+
+    from fp8_moe_ops.kernels import experts, launch
+
+    _on_fake_hopper(monkeypatch)
+    monkeypatch.setenv("FP8_MOE_GLUON", "1")
+    real = ws_gemm.usable
+    monkeypatch.setattr(ws_gemm, "usable", lambda device, *a: real(CUDA, *a))
+    T, k, E, H, I, block = 1100, 2, 4, 256, 128, (128, 128)  # 2200 slots: the three-launch sort
+
+    def sources(seed):
+        g = torch.Generator().manual_seed(seed)
+        routing = experts.routing_sources(torch.zeros(T, H, dtype=torch.bfloat16),
+                                          torch.randint(0, E, (T, k), generator=g), torch.ones(T, k), None, None)
+        return dict(routing, gate_up_proj=torch.zeros(E, 2 * I, H, dtype=FP8), gate_up_scale_inv=torch.ones(E, 2, 2),
+                    down_proj=torch.zeros(E, H, I, dtype=FP8), down_scale_inv=torch.ones(E, 2, 1))
+
+    first = sources(1)
+    gate_up, down = (first["gate_up_proj"], first["gate_up_scale_inv"]), (first["down_proj"], first["down_scale_inv"])
+    assert experts._sorted_a(CUDA, gate_up, T * k, E, I, H, block)
+    layout = experts._layout(T, k, E, H, I, block[1], torch.bfloat16, False, False, sorted_a=True)
+    env = dict(first, out=torch.empty(T, H, dtype=torch.bfloat16))
+    env.update(zip((name for name, *_ in layout.buffers), layout.views(torch.empty(layout.nbytes, dtype=torch.uint8))))
+    calls = experts._calls(env, E, I, block, "silu", None, gate_up, down, sorted_a=True)
+    assert [c.kernel for c in calls].count(ws_gemm._ws_gemm_kernel) == 2  # gate_up and down
+
+    got = []
+    head = ("function", False, False, None, None, "metadata", None, None, None)
+    monkeypatch.setattr(launch.Launch, "compiled", lambda self: (lambda *a: got.append(a), head, 0))
+    current = SimpleNamespace(get_current_device=lambda: 0, get_current_stream=lambda device: 7)
+    monkeypatch.setattr(experts, "driver", SimpleNamespace(active=current))
+    plan = experts.ExpertsPlan.record(list(first), env, layout, calls)
+    assert plan is not None
+    second = sources(2)
+    made, empty = [], torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: made.append(empty(*a, **kw)) or made[-1])
+    out = plan.run(list(second.values()), second["hidden"])
+    monkeypatch.setattr(torch, "empty", empty)
+    (ws,) = [t for t in made if t.dtype == torch.uint8]
+    assert len(got) == len(calls)
+
+    offsets = {name: off for name, *_, off in layout.buffers}
+    new_address = {id(env[name]): t.data_ptr() for name, t in second.items() if t is not None}
+    new_address[id(env["out"])] = out.data_ptr()
+    new_address.update({id(env[name]): ws.data_ptr() + off for name, off in offsets.items()})
+    descriptors = 0
+    for call, args in zip(calls, got):
+        for value, arg in zip(args[4 + len(head):], launch.cached(call).full_args(call.args)):
+            if isinstance(arg, ws_gemm.TensorDescriptor):
+                descriptors += 1
+                assert value.base.data_ptr() == new_address[id(arg.base)]
+                assert (value.shape, value.strides, value.padding) == (tuple(arg.shape), tuple(arg.strides),
+                                                                       arg.padding)
+            elif isinstance(arg, torch.Tensor):
+                assert value == new_address[id(arg)]
+    assert descriptors == 5  # A and weights of both GEMMs, the gate_up GEMM's output (stored by TMA)
+
+
 def test_ws_kernel_compiles_for_sm90_without_a_gpu():
     # every scheme / scale / output form of the kernel, compiled for sm_90a as
     # bench/kernel_resources.py compiles the forward's launches

@@ -41,8 +41,11 @@ argument's value, found through a C++ guard of the tensors' metadata once a plan
 the same function (a strided ``top_k_index`` is copied dense on every call, as in the
 forward), allocates the output and one workspace and hands each launcher its list with
 the sources' addresses filled in: no launch config, grid, view or cache key is computed
-again.  A signature gets no plan (and runs the forward above on every call) for T = 0
-and where a launch is a Gluon kernel's (:func:`.launch.through_jit`: prefill on Hopper).
+again.  A Gluon GEMM's TMA descriptors (prefill on Hopper: :mod:`.ws_gemm`) are recorded
+as their base's source with their shape and strides; a replay hands the launcher a
+descriptor on the new base address, from which Triton's launcher builds the
+``CUtensorMap`` as on any launch.  A signature gets no plan (and runs the forward above
+on every call) for T = 0.
 """
 
 from __future__ import annotations
@@ -61,7 +64,7 @@ from . import ws_gemm
 from .activation import gated_act_quant_call
 from .combine import combine_call
 from .config import gemm_config
-from .launch import KernelCall, cached, launch, through_jit
+from .launch import KernelCall, TensorDescriptor, cached, launch
 from .moe import (Combine, Gated, _block, _flat, _gemm_call, _large_sort_calls, _quant_call, down_split,
                   large_sort_hist_shape)
 from .quant import quant_launch_shape, scale_grid_strides
@@ -355,6 +358,52 @@ class _Source(int):
     buffers)."""
 
 
+class _Address(int):
+    """A replay's address where Triton's launcher asks a descriptor's base for it."""
+
+    def data_ptr(self) -> int:
+        return int(self)
+
+
+class _Descriptor(NamedTuple):
+    """What Triton's CUDA launcher reads of a TMA descriptor argument (its base's
+    ``data_ptr()``, shape, strides, padding): a replay's descriptor on a new address."""
+
+    base: _Address
+    shape: tuple
+    strides: tuple
+    padding: str
+
+
+class _Described(NamedTuple):
+    """A TMA descriptor argument's place in a recorded call: the :class:`_Source` of its
+    base, and its shape, strides and padding (which the plan's key fixes)."""
+
+    source: int
+    shape: tuple
+    strides: tuple
+    padding: str
+
+    def at(self, address: int) -> _Descriptor:
+        return _Descriptor(_Address(address), self.shape, self.strides, self.padding)
+
+
+def _template(call: KernelCall, sources: dict) -> tuple | None:
+    """``call.args`` with each tensor replaced by its :class:`_Source` and each descriptor
+    by its :class:`_Described`; None where one is none of the sources'."""
+    template = []
+    for a in call.args:
+        if isinstance(a, (torch.Tensor, TensorDescriptor)):
+            source = sources.get(id(a if isinstance(a, torch.Tensor) else a.base))
+            if source is None:
+                return None
+            if isinstance(a, TensorDescriptor):
+                source = _Described(source, tuple(a.shape), tuple(a.strides), a.padding)
+            a = source
+        template.append(a)
+    return tuple(template)
+
+
 class ExpertsPlan:
     """The recorded launches of one forward, replayable on any call whose sources have
     the same names, dtypes, shapes, strides, 16-byte alignment and scalar arguments
@@ -363,11 +412,13 @@ class ExpertsPlan:
     On a GPU each launcher is called directly with the sources' addresses; under the
     Triton interpreter the recorded calls are replayed through the JIT (the tests)."""
 
-    __slots__ = ("_steps", "_layout", "device", "_offsets", "_constants")
+    __slots__ = ("_steps", "_layout", "device", "_offsets", "_constants", "_described")
 
-    def __init__(self, steps: list, layout: Layout, device: int | None, constants: list | None = None):
+    def __init__(self, steps: list, layout: Layout, device: int | None, constants: list | None = None,
+                 described: list | None = None):
         # device: the GPU the launchers were compiled for; None: replays through the JIT
         self._steps, self._layout, self.device, self._constants = steps, layout, device, constants
+        self._described = described
         self._offsets = [off for *_, off in layout.buffers]
 
     @classmethod
@@ -376,7 +427,7 @@ class ExpertsPlan:
         the keys of its ``sources``, in the order a replay passes them), or None where
         it cannot have one (see the module's docstring)."""
         buffers = [name for name, *_ in layout.buffers]
-        if not calls or any(map(through_jit, calls)):
+        if not calls:
             return None
         sources = {}
         for i, name in enumerate([*names, "out", *buffers]):
@@ -386,32 +437,38 @@ class ExpertsPlan:
             if id(t) in sources:
                 return None  # one object as two sources: which one a kernel reads is ambiguous (_distinct)
             sources[id(t)] = _Source(i)
-        templates = []
-        for call in calls:
-            if any(isinstance(a, torch.Tensor) and id(a) not in sources for a in call.args):
-                return None
-            templates.append(tuple(sources[id(a)] if isinstance(a, torch.Tensor) else a for a in call.args))
+        templates = [_template(call, sources) for call in calls]
+        if None in templates:
+            return None
         entries = [cached(call) for call in calls]
         compiled = [entry.compiled() for entry in entries]
-        if all(c is None for c in compiled):  # the interpreter
+        if all(c is None for c in compiled):  # the interpreter (which runs no Gluon kernel: no descriptors)
             return cls(list(zip(entries, templates)), layout, None)
         device = driver.active.get_current_device()
         if any(c is None or c[2] != device for c in compiled):
             return None  # a launcher compiled for another device (the launch cache keys on the tensors' device)
-        # a replay's values: the sources' addresses (in _Source order), then every
-        # launch's other arguments; each launch picks its argument list from them
+        # a replay's values: the sources' addresses (in _Source order), every launch's
+        # other arguments, then its descriptors on those addresses; each launch picks its
+        # argument list from them
+        full = [entry.full_args(template) for entry, template in zip(entries, templates)]
+        constants = [a for args in full for a in args if type(a) not in (_Source, _Described)]
+        described = [a for args in full for a in args if type(a) is _Described]
         n_sources = len(names) + 1 + len(buffers)
-        constants, steps = [], []
-        for entry, template, (launcher, head, _) in zip(entries, templates, compiled):
+        n_constants = n_descriptors = 0
+        steps = []
+        for args, entry, (launcher, head, _) in zip(full, entries, compiled):
             picks = []
-            for a in entry.full_args(template):
+            for a in args:
                 if type(a) is _Source:
                     picks.append(int(a))
+                elif type(a) is _Described:
+                    picks.append(n_sources + len(constants) + n_descriptors)
+                    n_descriptors += 1
                 else:
-                    picks.append(n_sources + len(constants))
-                    constants.append(a)
+                    picks.append(n_sources + n_constants)
+                    n_constants += 1
             steps.append((launcher, entry.grid, head, _picker(picks)))
-        return cls(steps, layout, device, constants)
+        return cls(steps, layout, device, constants, described)
 
     def run(self, inputs: list, hidden: torch.Tensor, aligned: bool = False) -> torch.Tensor | None:
         """The forward on ``inputs`` (the sources' values, in the recorded order);
@@ -435,6 +492,7 @@ class ExpertsPlan:
         values.append(out.data_ptr())
         values += [base + off for off in self._offsets]
         values += self._constants
+        values += [d.at(values[d.source]) for d in self._described]
         stream = driver.active.get_current_stream(device)
         for launcher, grid, head, pick in self._steps:
             launcher(grid[0], grid[1], grid[2], stream, *head, *pick(values))

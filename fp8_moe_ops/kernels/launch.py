@@ -21,6 +21,11 @@ interpreter.
 Triton's CUDA launcher is a Python object whose ``__call__`` allocates the kernel's
 scratch memory (none for this package's kernels) before it calls the compiled C
 function; :func:`direct` calls that function itself where the kernel needs no scratch.
+For a kernel that takes TMA descriptors (the Gluon GEMM, :mod:`.ws_gemm`) that function
+is a Python wrapper that builds each descriptor's ``CUtensorMap`` from its base's
+address, shape and strides on every launch (``fill_tma_descriptor``), so a cached launch
+takes a new call's descriptors as it takes its tensors: the cache keys a descriptor on
+what the JIT specialises it on.
 """
 
 from __future__ import annotations
@@ -34,9 +39,9 @@ from triton.compiler.compiler import CompiledKernel
 from triton.runtime import driver
 
 try:
-    from triton.experimental.gluon._runtime import GluonJITFunction
-except ImportError:  # a Triton without Gluon: no kernel is one (isinstance of an empty tuple is False)
-    GluonJITFunction = ()
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+except ImportError:  # a Triton without Gluon's Hopper API: no argument is one (isinstance of () is False)
+    TensorDescriptor = ()
 
 
 def _c_head(function, metadata, cooperative, pdl) -> tuple:
@@ -141,9 +146,14 @@ _MAX_LAUNCHES = 4096  # cleared when full: a model has a few dozen call shapes p
 
 def _spec(arg):
     # what Triton specialises a run-time argument on (plus the value of every scalar, and
-    # a tensor's device: a compiled kernel is loaded on one GPU)
+    # a tensor's device: a compiled kernel is loaded on one GPU); a Gluon TMA descriptor
+    # (unhashable) on its base's dtype, block shape, shared layout and padding (its shape
+    # and strides are run-time arguments; its base is 16-byte aligned by construction)
     if isinstance(arg, torch.Tensor):
         return arg.dtype, arg.data_ptr() % 16 == 0, arg.get_device()
+    if isinstance(arg, TensorDescriptor):
+        base = arg.base
+        return TensorDescriptor, base.dtype, base.get_device(), tuple(arg.block_shape), arg.layout, arg.padding
     return arg
 
 
@@ -160,19 +170,7 @@ def cached(call: KernelCall) -> Launch:
     return entry
 
 
-def through_jit(call: KernelCall) -> bool:
-    """Whether ``call`` launches through the JIT on every call: a Gluon kernel
-    (:mod:`.ws_gemm`) takes TMA descriptors, which neither the cache key nor a
-    launcher's plain argument list carries.  It runs at prefill only, where the JIT's
-    tens of microseconds are nothing beside the GEMM's milliseconds."""
-    return isinstance(call.kernel, GluonJITFunction)
-
-
 def launch(call: KernelCall | None) -> None:
     """Runs ``call`` through its cached :class:`Launch` (``None``: nothing to launch)."""
-    if call is None:
-        return
-    if through_jit(call):
-        call.kernel[call.grid](*call.args, **call.constexprs, **call.options)
-    else:
+    if call is not None:
         cached(call)(*call.args)
