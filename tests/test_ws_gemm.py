@@ -42,8 +42,8 @@ def test_usable_takes_the_prefill_tiles_of_stacked_tma_aligned_weights(monkeypat
     assert ws_gemm.usable(CUDA, w, torch.ones(3, 1, 4), (64, 128), PREFILL)  # one row of scales per matrix
     assert not ws_gemm.usable(CUDA, w, torch.ones(3, 1, 1), (64, 64), PREFILL)  # two act scales per K step
     assert not ws_gemm.usable(torch.device("cpu"), w, ws, (128, 128), PREFILL)
-    assert not ws_gemm.usable(CUDA, w, ws, (128, 128), {**PREFILL, "BM": 64})  # decode / mid buckets
-    assert not ws_gemm.usable(CUDA, w, ws, (128, 128), {**PREFILL, "BN": 64})
+    # an entry naming ws_min_k hands its GEMMs over whatever its (the Triton kernel's) tiles
+    assert ws_gemm.usable(CUDA, w, ws, (128, 128), {**PREFILL, "BM": 64, "num_warps": 4})  # a mid-size entry
     assert not ws_gemm.usable(CUDA, w, ws, (128, 128), {**PREFILL, "SPLIT": 2})
     assert not ws_gemm.usable(CUDA, w, torch.ones(3, 4, 4), (64, 128), PREFILL)  # two scales per column tile
     assert not ws_gemm.usable(CUDA, w, torch.ones(3, 2, 8), (128, 64), PREFILL)  # two scales per K step
@@ -73,13 +73,19 @@ def test_the_shipped_table_takes_the_measured_winners(monkeypatch):
         "deepseek_v3 gate_up": (256, 8192 * 8, 4096, 7168, True), "deepseek_v3 down": (256, 8192 * 8, 7168, 2048, True),
         "qwen3 gate_up": (128, 16384 * 8, 1536, 2048, True), "qwen3 down": (128, 16384 * 8, 2048, 768, True),
         "mixtral gate_up": (8, 4096 * 2, 28672, 4096, True), "mixtral down": (8, 4096 * 2, 4096, 14336, True),
-        "K below what was measured": (8, 4096 * 2, 4096, 512, False)}
+        "K below what was measured": (8, 4096 * 2, 4096, 512, False),
+        # mid sizes: the layers were faster with it than with the Triton kernel's 64-row tiles
+        # at 64 rows per expert and more, slower at 48; its GEMMs slower at 16 and 32
+        "qwen3 T=2048 gate_up, 128 rows": (128, 2048 * 8, 1536, 2048, True),
+        "deepseek_v3 T=2048 down, 64 rows": (256, 2048 * 8, 7168, 2048, True),
+        "mixtral down, 300 rows": (8, 300 * 8, 4096, 14336, True),
+        "qwen3 T=768 down, 48 rows": (128, 768 * 8, 2048, 768, False),
+        "qwen3 T=512 gate_up, 32 rows": (128, 512 * 8, 1536, 2048, False),
+        "deepseek_v3 T=1024 gate_up, 32 rows": (256, 1024 * 8, 4096, 7168, False),
+        "mixtral T=8 gate_up, decode": (8, 8 * 2, 28672, 4096, False)}
     for name, (E, S, N, K, chosen) in shapes.items():
         w = torch.empty(E, N, K, dtype=FP8, device="meta")
         assert ws_gemm.usable(CUDA, w, torch.ones(E, 1, 1), (128, 128), gemm_config(S, E, N, K)) == chosen, name
-    # and never at decode or mid-size buckets
-    w = torch.empty(8, 28672, 4096, dtype=FP8, device="meta")
-    assert not ws_gemm.usable(CUDA, w, torch.ones(8, 1, 1), (128, 128), gemm_config(8 * 300, 8, 28672, 4096))
 
 
 def test_usable_is_false_without_the_gluon_kernel(monkeypatch):
@@ -153,6 +159,15 @@ def test_prefill_grouped_gemm_launches_the_ws_kernel(monkeypatch):
     assert call.constexprs["STAGES"] == ws_gemm.STAGES
 
 
+def test_a_mid_size_entry_launches_the_ws_kernel_with_its_own_tiles(monkeypatch):
+    # 64 rows per expert: the table's entry has the Triton kernel's 64-row tiles and a
+    # ws_min_k; the Gluon kernel's tile map is bounded by its 128-row tiles
+    assert gemm_config(256, 4, 256, 512)["BM"] == 64
+    call = _gemm_call(monkeypatch, S=256)
+    assert call.kernel is ws_gemm._ws_gemm_kernel
+    assert call.args[-1] == max_row_tiles(256, 4, 128, True) < max_row_tiles(256, 4, 64, True)
+
+
 def test_wide_tiles_where_n_is_a_multiple_of_256_and_the_output_2_bytes(monkeypatch):
     # 128 x 256 output tiles: the weight tile twice as wide, half the column tiles, a
     # shallower ring, one MMA in flight per warpgroup (no LAG)
@@ -192,7 +207,7 @@ def test_the_output_is_stored_by_tma_only_where_its_rows_are_in_place(monkeypatc
 def test_gathered_or_fused_or_small_gemms_keep_the_triton_kernel(monkeypatch):
     perm = torch.arange(4096)
     assert _gemm_call(monkeypatch, perm=perm, gather_a=True).kernel is _grouped_gemm_kernel
-    assert _gemm_call(monkeypatch, S=256).kernel is _grouped_gemm_kernel  # 64 rows per expert: BM 64
+    assert _gemm_call(monkeypatch, S=128).kernel is _grouped_gemm_kernel  # 32 rows per expert: BM 64
     assert _gemm_call(monkeypatch, K=520).kernel is _grouped_gemm_kernel  # 520-byte rows
 
 

@@ -17,7 +17,9 @@ form where its programs fill their last wave over the GPU's SMs (the table's ``s
 where the caller gives none) better than the entry's own (``per_sm``: programs of each
 form that fit an SM), except for a split-K launch.  An entry's optional ``ws_min_k``
 hands its GEMMs with K at least that to the Gluon kernel on an sm_90 GPU
-(:mod:`.ws_gemm`).  The table was written from
+(:mod:`.ws_gemm`), which runs its own 128 x 128 tiles where it can take the GEMM; the
+entry's tiles are the Triton kernel's, for the GEMMs it cannot (gathered rows, fused
+launches) and for other GPUs.  The table was written from
 the sweep of ``bench/tune.py`` on an H200 (winners per bucket, by hand: see
 docs/benchmarks.md); other GPUs use the same table.
 """

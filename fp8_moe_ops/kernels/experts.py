@@ -41,11 +41,11 @@ argument's value, found through a C++ guard of the tensors' metadata once a plan
 the same function (a strided ``top_k_index`` is copied dense on every call, as in the
 forward), allocates the output and one workspace and hands each launcher its list with
 the sources' addresses filled in: no launch config, grid, view or cache key is computed
-again.  A Gluon GEMM's TMA descriptors (prefill on Hopper: :mod:`.ws_gemm`) are recorded
-as their base's source with their shape and strides; a replay hands the launcher a
-descriptor on the new base address, from which Triton's launcher builds the
-``CUtensorMap`` as on any launch.  A signature gets no plan (and runs the forward above
-on every call) for T = 0.
+again.  A Gluon GEMM's TMA descriptors (on Hopper from 64 rows per expert:
+:mod:`.ws_gemm`) are recorded as their base's source with their shape and strides; a
+replay hands the launcher a descriptor on the new base address, from which Triton's
+launcher builds the ``CUtensorMap`` as on any launch.  A signature gets no plan (and
+runs the forward above on every call) for T = 0.
 """
 
 from __future__ import annotations

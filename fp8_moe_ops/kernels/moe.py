@@ -205,7 +205,8 @@ def _gemm_call(q, q_scale, w, w_scale, block, out, *, offsets=None, perm=None, g
             and ws_gemm.usable(out.device, w, w_scale, block, cfg) and ws_gemm.tma_ready(q) \
             and (static or ws_gemm.scales_readable(q_scale)):
         return ws_gemm.ws_gemm_call(q, q_scale, w, ws, ws_strides, block, out, offsets=offsets, perm=perm,
-                                    scatter_out=scatter_out, static=static, e8m0=e8m0, num_pid_m=num_pid_m,
+                                    scatter_out=scatter_out, static=static, e8m0=e8m0,
+                                    num_pid_m=max_row_tiles(S, E, ws_gemm.TILE, True),
                                     group_m=cfg["GROUP_M"], max_programs=ws_gemm.programs(out.device))
     dummy = out
     options = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])

@@ -1,4 +1,4 @@
-"""The prefill grouped GEMM on Hopper: warp-specialised, written in Gluon.
+"""The grouped GEMM on Hopper from 64 rows per expert: warp-specialised, written in Gluon.
 
 Same contract and same arithmetic as :mod:`.grouped_gemm` for the case it takes over
 (expert-sorted A rows read in place, one weight scale per 128 x 128 tile and K step),
@@ -46,8 +46,8 @@ Rows of a tile past its expert's end, and K or N past the matrix, are loaded (TM
 past the tensor with zeros; rows of the next expert are read and discarded) but never
 stored, so no result depends on them.
 
-Used only where :func:`usable` says so (an sm_90 GPU, a prefill entry of the launch
-table that chooses it, 128 x 128 blocks or coarser, TMA-aligned K); the grouped kernel
+Used only where :func:`usable` says so (an sm_90 GPU, a prefill or mid-size entry of the
+launch table that chooses it, 128 x 128 blocks or coarser, TMA-aligned K); the grouped kernel
 runs everywhere else, and under ``TRITON_INTERPRET=1`` (Gluon has no interpreter).
 ``FP8_MOE_GLUON=0`` in the environment turns it off, ``FP8_MOE_GLUON=1`` on wherever
 it can run.  The Gluon source is :mod:`.gluon_gemm`, written against Triton 3.6's
@@ -119,13 +119,14 @@ def mode() -> str | None:
 def usable(device: torch.device, w: torch.Tensor, w_scale: torch.Tensor, block: tuple[int, int], cfg: dict) -> bool:
     """Whether :func:`ws_gemm_call` takes a GEMM of stacked weights ``w`` whose A rows
     are read in place (no gather) and with nothing fused into its launch.  The launch
-    table chooses: K at least its entry's ``ws_min_k`` (set in its prefill entries: the
-    layers measured faster with it at every K from 768 to 14336),
-    overridden by ``FP8_MOE_GLUON``: ``0`` never, ``1`` wherever it can run.
-    It can run with Triton 3.6 (:data:`AVAILABLE`) on an sm_90 GPU (not the interpreter)
-    with the table's prefill tiles
-    (128 x 128, no split K), one weight scale per tile and K step, K a multiple of 16
-    and ``w`` contiguous and 16-byte aligned (TMA).  A must also pass :func:`tma_ready`."""
+    table chooses: K at least its entry's ``ws_min_k`` (set in its prefill entries and
+    in its mid-size ones from 64 rows per expert: measured faster there at every K from
+    768 to 14336; the kernel then runs its own 128 x 128 tiles, the entry's tiles being
+    the Triton kernel's), overridden by ``FP8_MOE_GLUON``: ``0`` never, ``1`` wherever
+    it can run.  It can run with Triton 3.6 (:data:`AVAILABLE`) on an sm_90 GPU (not the
+    interpreter) for an entry that names a ``ws_min_k`` or has 128 x 128 tiles, without
+    split K, with one weight scale per tile and K step, K a multiple of 16 and ``w``
+    contiguous and 16-byte aligned (TMA).  A must also pass :func:`tma_ready`."""
     K = w.shape[2]
     override = mode()
     chosen = cfg.get("ws_min_k") is not None and K >= cfg["ws_min_k"]
@@ -133,7 +134,7 @@ def usable(device: torch.device, w: torch.Tensor, w_scale: torch.Tensor, block: 
         return False
     if device.type != "cuda" or triton.knobs.runtime.interpret:
         return False
-    if cfg["BM"] != TILE or cfg["BN"] != TILE or cfg.get("SPLIT", 1) != 1:
+    if cfg.get("SPLIT", 1) != 1 or (cfg.get("ws_min_k") is None and (cfg["BM"] != TILE or cfg["BN"] != TILE)):
         return False
     bn, bk = block
     return ((bn % TILE == 0 or w_scale.shape[1] == 1) and bk % TILE == 0 and K % 16 == 0 and w.is_contiguous()
