@@ -252,6 +252,54 @@ def test_the_launch_cache_keys_a_descriptor_on_what_the_jit_specialises():
     assert _spec(desc(x, [64, 128])) != _spec(desc(x, [64, 128], padding="nan"))
 
 
+def _experts_sources(T, k, E, H, I, seed):
+    """The sources of an experts forward (routing, stacked fp8 weights), on the CPU."""
+    from fp8_moe_ops.kernels import experts
+
+    g = torch.Generator().manual_seed(seed)
+    routing = experts.routing_sources(torch.zeros(T, H, dtype=torch.bfloat16),
+                                      torch.randint(0, E, (T, k), generator=g), torch.ones(T, k), None, None)
+    return dict(routing, gate_up_proj=torch.zeros(E, 2 * I, H, dtype=FP8), gate_up_scale_inv=torch.ones(E, 2, 2),
+                down_proj=torch.zeros(E, H, I, dtype=FP8), down_scale_inv=torch.ones(E, 2, 1))
+
+
+def _experts_calls(monkeypatch, sources, E, I):
+    """The launches of the experts forward on ``sources`` (built, not run) on a fake
+    H200 told to take every GEMM the Gluon kernel can run: (env, layout, calls)."""
+    from fp8_moe_ops.kernels import experts
+
+    _on_fake_hopper(monkeypatch)
+    monkeypatch.setenv("FP8_MOE_GLUON", "1")
+    real = ws_gemm.usable
+    monkeypatch.setattr(ws_gemm, "usable", lambda device, *a: real(CUDA, *a))
+    (T, H), k = sources["hidden"].shape, sources["top_k_index"].shape[1]
+    gate_up = (sources["gate_up_proj"], sources["gate_up_scale_inv"])
+    sorted_a = experts._sorted_a(CUDA, gate_up, T * k, E, I, H, (128, 128))
+    layout = experts._layout(T, k, E, H, I, 128, torch.bfloat16, False, False, sorted_a)
+    env = dict(sources, out=torch.empty(T, H, dtype=torch.bfloat16))
+    env.update(zip((name for name, *_ in layout.buffers), layout.views(torch.empty(layout.nbytes, dtype=torch.uint8))))
+    down = (sources["down_proj"], sources["down_scale_inv"])
+    return env, layout, experts._calls(env, E, I, (128, 128), "silu", None, gate_up, down, sorted_a)
+
+
+def test_gate_up_rows_in_place_sort_in_three_launches_at_any_size(monkeypatch):
+    # where the Gluon kernel takes the gate_up GEMM its A rows are stored per sorted slot,
+    # which the one-launch sort cannot do: at 2048 slots or fewer, from 128 rows per expert
+    # (mixtral_8x7b's T=512 and 1024), the sort takes its three launches and the
+    # quantisation its own; below, the one-launch sort runs and the GEMM gathers its rows
+    from fp8_moe_ops.kernels import moe, sort
+
+    for T, k, E, in_place in [(1100, 2, 4, True), (256, 2, 4, True), (254, 2, 4, False), (32, 2, 1, False)]:
+        env, _, calls = _experts_calls(monkeypatch, _experts_sources(T, k, E, 256, 128, seed=T), E, 128)
+        kernels = [c.kernel for c in calls]
+        if in_place:
+            assert kernels[:5] == [sort._sort_hist_kernel, sort._sort_scan_kernel, sort._sort_scatter_kernel,
+                                   moe._quant_kernel, ws_gemm._ws_gemm_kernel], T
+            assert "slot_rows" in env and env["q"].shape == (T * k, 256)  # a row per slot
+        else:
+            assert kernels[:2] == [sort._sort_quant_kernel, _grouped_gemm_kernel], T
+
+
 def test_a_plan_replays_gluon_gemms_on_descriptors_of_the_new_calls_tensors(monkeypatch):
     # a prefill forward whose two GEMMs the Gluon kernel takes, recorded with fake
     # launchers: a replay hands each launcher, for each TMA descriptor, the recorded one's
@@ -261,26 +309,9 @@ def test_a_plan_replays_gluon_gemms_on_descriptors_of_the_new_calls_tensors(monk
 
     from fp8_moe_ops.kernels import experts, launch
 
-    _on_fake_hopper(monkeypatch)
-    monkeypatch.setenv("FP8_MOE_GLUON", "1")
-    real = ws_gemm.usable
-    monkeypatch.setattr(ws_gemm, "usable", lambda device, *a: real(CUDA, *a))
-    T, k, E, H, I, block = 1100, 2, 4, 256, 128, (128, 128)  # 2200 slots: the three-launch sort
-
-    def sources(seed):
-        g = torch.Generator().manual_seed(seed)
-        routing = experts.routing_sources(torch.zeros(T, H, dtype=torch.bfloat16),
-                                          torch.randint(0, E, (T, k), generator=g), torch.ones(T, k), None, None)
-        return dict(routing, gate_up_proj=torch.zeros(E, 2 * I, H, dtype=FP8), gate_up_scale_inv=torch.ones(E, 2, 2),
-                    down_proj=torch.zeros(E, H, I, dtype=FP8), down_scale_inv=torch.ones(E, 2, 1))
-
-    first = sources(1)
-    gate_up, down = (first["gate_up_proj"], first["gate_up_scale_inv"]), (first["down_proj"], first["down_scale_inv"])
-    assert experts._sorted_a(CUDA, gate_up, T * k, E, I, H, block)
-    layout = experts._layout(T, k, E, H, I, block[1], torch.bfloat16, False, False, sorted_a=True)
-    env = dict(first, out=torch.empty(T, H, dtype=torch.bfloat16))
-    env.update(zip((name for name, *_ in layout.buffers), layout.views(torch.empty(layout.nbytes, dtype=torch.uint8))))
-    calls = experts._calls(env, E, I, block, "silu", None, gate_up, down, sorted_a=True)
+    T, k, E, H, I = 1100, 2, 4, 256, 128
+    first = _experts_sources(T, k, E, H, I, seed=1)
+    env, layout, calls = _experts_calls(monkeypatch, first, E, I)
     assert [c.kernel for c in calls].count(ws_gemm._ws_gemm_kernel) == 2  # gate_up and down
 
     got = []
@@ -290,7 +321,7 @@ def test_a_plan_replays_gluon_gemms_on_descriptors_of_the_new_calls_tensors(monk
     monkeypatch.setattr(experts, "driver", SimpleNamespace(active=current))
     plan = experts.ExpertsPlan.record(list(first), env, layout, calls)
     assert plan is not None
-    second = sources(2)
+    second = _experts_sources(T, k, E, H, I, seed=2)
     made, empty = [], torch.empty
     monkeypatch.setattr(torch, "empty", lambda *a, **kw: made.append(empty(*a, **kw)) or made[-1])
     out = plan.run(list(second.values()), second["hidden"])

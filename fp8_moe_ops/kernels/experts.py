@@ -4,13 +4,14 @@
 Layout of the forward (S = T * k slots, slot ``t*k + j`` is token t's j-th choice):
 
 1. ``perm`` (S,) sorted position -> slot, ``offsets`` (E,): :mod:`.sort`, one launch
-   for S <= 2048, else three (histograms, their prefix sums, the scatter);
+   for S <= 2048, else three (histograms, their prefix sums, the scatter; also where
+   the gate_up GEMM reads its A in place, step 3);
 2. activations quantised once, in the sort's launch where the sort is one: dynamic,
    (T, H) per token (scales do not depend on the expert); static, the (S, H) slots
    with their expert's scale, in slot order (that needs the ids, not the sort);
 3. gate_up GEMM, A rows gathered by ``perm // k`` (static: ``perm``) -> h (S, 2I) in
-   sorted order.  Where the Gluon kernel takes it (:func:`_sorted_a`: prefill on
-   Hopper), step 2 instead stores each token's quantised row at its slots' sorted
+   sorted order.  Where the Gluon kernel takes it (:func:`_sorted_a`: on Hopper from
+   64 rows per expert), step 2 instead stores each token's quantised row at its slots' sorted
    rows (both schemes; ``slot_rows``, the inverse of ``perm``) and the GEMM reads A in
    place: the same bytes and scales, so the same output;
 4. gated activation + quantisation -> (S, I) fp8; for S <= 16 (``ACT_SLOTS``: decode)
@@ -84,6 +85,13 @@ COMBINE_SLOTS = 64
 # saved 4-6 us of a T=1 layer in a CUDA graph and 1-2.5 % at 16 slots; at 64 slots qwen3_30b_a3b
 # T=8 lost 5-6 % and mixtral_8x7b T=32 2 % (docs/benchmarks.md)
 ACT_SLOTS = 16
+# at most MAX_SLOTS slots, the gate_up GEMM reads its rows in place (where the Gluon kernel
+# takes it; the sort then takes three launches and the quantisation its own) only from this
+# many rows per expert: on the H200 mixtral_8x7b's layer at T=256 (64 rows) was 2-3 % slower
+# so, at T=512 and 1024 (128 and 256 rows) 8-14 % faster (docs/benchmarks.md).  It implies
+# more than COMBINE_SLOTS slots (up to there the one-launch sort zeroes the counters of the
+# kernels fused into the GEMMs' launches).
+SORTED_A_MIN_ROWS = 128
 
 # the experts ops' arguments, in schema order
 ARG_NAMES = ("hidden", "top_k_index", "top_k_weights", "gate_up_proj", "gate_up_scale_inv", "down_proj",
@@ -105,12 +113,12 @@ class Layout(NamedTuple):
 def _layout(T: int, k: int, E: int, H: int, I: int, bk: int, dtype: torch.dtype, static_gate_up: bool,
             static_down: bool, sorted_a: bool = False) -> Layout:
     """The forward's intermediate buffers; ``hist`` where the sort takes three launches
-    (S > 2048); ``sorted_a``: the gate_up GEMM's A stored per expert-sorted slot
+    (S > 2048, or ``sorted_a``); ``sorted_a``: the gate_up GEMM's A stored per expert-sorted slot
     (:func:`_sorted_a`), at the rows ``slot_rows`` says; the dynamic scheme's activation
     scales (rows, K groups) in the order :func:`_kmajor_scales` says."""
     S = T * k
     bufs = [("perm", torch.int32, (S,)), ("offsets", torch.int32, (E,))]
-    if S > MAX_SLOTS:
+    if S > MAX_SLOTS or sorted_a:
         bufs.append(("hist", torch.int32, large_sort_hist_shape(S, E)))
         if sorted_a:
             bufs.append(("slot_rows", torch.int32, (S,)))
@@ -189,10 +197,13 @@ def _sort_quant_call(ids, perm, offsets, counters, E: int, x, q, q_scale, bk: in
 def _sorted_a(device: torch.device, gate_up: tuple, S: int, E: int, I: int, H: int, block: tuple[int, int]) -> bool:
     """Whether the gate_up GEMM reads its A rows in place, stored per expert-sorted slot
     rather than gathered per token: where the TMA kernel (:mod:`.ws_gemm`, which cannot
-    gather) runs it.  At prefill only (S > 2048, the three-launch sort's path), where storing
-    k rows per token costs a few percent of the GEMM it speeds up."""
+    gather) runs it, where storing k rows per token costs a few percent of the GEMM it
+    speeds up.  Past ``MAX_SLOTS`` slots, and from ``SORTED_A_MIN_ROWS`` rows per expert
+    below (there the sort takes its three launches, as the one-launch sort quantises
+    before it knows the sorted rows)."""
     w, w_scale = gate_up
-    return S > MAX_SLOTS and isinstance(w, torch.Tensor) and ws_gemm.usable(device, w, w_scale, block,
+    in_place = S > MAX_SLOTS or S >= SORTED_A_MIN_ROWS * min(E, S)
+    return in_place and isinstance(w, torch.Tensor) and ws_gemm.usable(device, w, w_scale, block,
                                                                           gemm_config(S, E, 2 * I, H))
 
 
@@ -217,7 +228,7 @@ def _calls(env: dict, E: int, I: int, block: tuple[int, int], activation: str, s
     static = gate_up_act_scale is not None
     q_scale = gate_up_act_scale if static else env["q_scale"]
     gemm = dict(offsets=offsets, perm=perm, gather_a=True, topk=1 if static else k, static=static)
-    if S <= MAX_SLOTS:
+    if S <= MAX_SLOTS and not sorted_a:
         calls = [_sort_quant_call(ids, perm, offsets, counters, E, hidden, q, q_scale, bk, static)]
     else:
         calls = _large_sort_calls(ids, perm, offsets, env["hist"], env.get("slot_rows"), E)
