@@ -11,9 +11,9 @@ Layout of the forward (S = T * k slots, slot ``t*k + j`` is token t's j-th choic
    with their expert's scale, in slot order (that needs the ids, not the sort);
 3. gate_up GEMM, A rows gathered by ``perm // k`` (static: ``perm``) -> h (S, 2I) in
    sorted order.  Where the Gluon kernel takes it (:func:`_sorted_a`: on Hopper from
-   64 rows per expert), step 2 instead stores each token's quantised row at its slots' sorted
-   rows (both schemes; ``slot_rows``, the inverse of ``perm``) and the GEMM reads A in
-   place: the same bytes and scales, so the same output;
+   64 rows per expert), step 2 instead stores each token's quantised row at its slots'
+   sorted rows (both schemes; ``slot_rows``, the inverse of ``perm``) and the GEMM reads
+   A in place: the same bytes and scales, so the same output;
 4. gated activation + quantisation -> (S, I) fp8; for S <= 16 (``ACT_SLOTS``: decode)
    in the gate_up GEMM's launch, by the last row tile to finish each quantisation
    group (:mod:`.grouped_gemm`), with counters the sort zeroes;
@@ -113,9 +113,9 @@ class Layout(NamedTuple):
 def _layout(T: int, k: int, E: int, H: int, I: int, bk: int, dtype: torch.dtype, static_gate_up: bool,
             static_down: bool, sorted_a: bool = False) -> Layout:
     """The forward's intermediate buffers; ``hist`` where the sort takes three launches
-    (S > 2048, or ``sorted_a``); ``sorted_a``: the gate_up GEMM's A stored per expert-sorted slot
-    (:func:`_sorted_a`), at the rows ``slot_rows`` says; the dynamic scheme's activation
-    scales (rows, K groups) in the order :func:`_kmajor_scales` says."""
+    (S > 2048, or ``sorted_a``); ``sorted_a``: the gate_up GEMM's A stored per
+    expert-sorted slot (:func:`_sorted_a`), at the rows ``slot_rows`` says; the dynamic
+    scheme's activation scales (rows, K groups) in the order :func:`_kmajor_scales` says."""
     S = T * k
     bufs = [("perm", torch.int32, (S,)), ("offsets", torch.int32, (E,))]
     if S > MAX_SLOTS or sorted_a:
@@ -459,7 +459,7 @@ class ExpertsPlan:
         if any(c is None or c[2] != device for c in compiled):
             return None  # a launcher compiled for another device (the launch cache keys on the tensors' device)
         # a replay's values: the sources' addresses (in _Source order), every launch's
-        # other arguments, then its descriptors on those addresses; each launch picks its
+        # other arguments, then the descriptors on those addresses; each launch picks its
         # argument list from them
         full = [entry.full_args(template) for entry, template in zip(entries, templates)]
         constants = [a for args in full for a in args if type(a) not in (_Source, _Described)]
