@@ -36,6 +36,37 @@ GEMM_BOUND = {torch.bfloat16: 2e-3, torch.float16: 5e-4, torch.float32: 5e-4}
 EXPERTS_BOUND = 1e-2
 
 
+# the head a fake compiled launcher is recorded with (record_with_fake_launchers)
+FAKE_HEAD = ("function", False, False, None, None, "metadata", None, None, None)
+
+
+def record_with_fake_launchers(monkeypatch, names, env, layout, calls, device: int = 3):
+    """``ExpertsPlan.record`` of a forward's launches (``names``, ``env``, ``layout``,
+    ``calls``: what ``kernels.experts`` records from), without a GPU, as on GPU
+    ``device``: each compiled launcher is a fake that appends its arguments to the
+    returned list (its head ``FAKE_HEAD``), and the current stream is ``100 + device``.
+    Returns (plan, the list)."""
+    from types import SimpleNamespace
+
+    from fp8_moe_ops.kernels import experts, launch
+
+    launched = []
+    monkeypatch.setattr(launch.Launch, "compiled", lambda self: (lambda *a: launched.append(a), FAKE_HEAD, device))
+    current = SimpleNamespace(get_current_device=lambda: device, get_current_stream=lambda index: 100 + index)
+    monkeypatch.setattr(experts, "driver", SimpleNamespace(active=current))
+    return experts.ExpertsPlan.record(list(names), env, layout, calls), launched
+
+
+def replay_keeping_workspace(monkeypatch, plan, inputs: list, hidden: torch.Tensor):
+    """``plan.run(inputs, hidden)``: (its output, the workspace it allocated)."""
+    made, empty = [], torch.empty
+    with monkeypatch.context() as m:
+        m.setattr(torch, "empty", lambda *a, **kw: made.append(empty(*a, **kw)) or made[-1])
+        out = plan.run(inputs, hidden)
+    (ws,) = [t for t in made if t.dtype == torch.uint8]
+    return out, ws
+
+
 def poison_free_memory() -> None:
     """Fill the CUDA caching allocator's free memory with NaN: an output element the
     kernels forget to write reads back as NaN."""

@@ -31,7 +31,8 @@ import torch
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from helpers import make_expert_weights, make_routing, rel_err, with_split_k
+from helpers import (FAKE_HEAD, make_expert_weights, make_routing, record_with_fake_launchers, rel_err,
+                     replay_keeping_workspace, with_split_k)
 
 INTERPRETED = isinstance(tl.cdiv, InterpretedFunction)
 if INTERPRETED:
@@ -877,27 +878,16 @@ def test_a_compiled_plan_hands_each_launcher_the_new_calls_addresses(monkeypatch
     # current stream and its argument list, every tensor replaced by the address of the
     # new call's tensor of the same name (the output and the workspace's buffers: this
     # replay's allocations, the buffers at the layout's offsets)
-    from types import SimpleNamespace
-
     from fp8_moe_ops.kernels import launch
 
     first = _positional(*_experts_args("sentinels", torch.bfloat16, torch.float32, True, seed=11))
     second = _positional(*_experts_args("sentinels", torch.bfloat16, torch.float32, True, seed=12))
     sources = experts._stacked_sources(first)
     _, env, layout, calls = experts._stacked(first, sources)
-    got = []
-    head = ("function", False, False, None, None, "metadata", None, None, None)
-    monkeypatch.setattr(launch.Launch, "compiled", lambda self: (lambda *a: got.append(a), head, 3))
-    current = SimpleNamespace(get_current_device=lambda: 3, get_current_stream=lambda device: 100 + device)
-    monkeypatch.setattr(experts, "driver", SimpleNamespace(active=current))
-    plan = experts.ExpertsPlan.record(list(sources), env, layout, calls)
+    plan, got = record_with_fake_launchers(monkeypatch, sources, env, layout, calls, device=3)
     assert plan.device == 3 and len(calls) == 4  # sort + quantise, gate_up, activation, down + combine
     new = experts._stacked_sources(second)
-    made, empty = [], torch.empty
-    monkeypatch.setattr(torch, "empty", lambda *a, **kw: made.append(empty(*a, **kw)) or made[-1])
-    out = plan.run(list(new.values()), second[0])
-    monkeypatch.setattr(torch, "empty", empty)
-    (ws,) = [t for t in made if t.dtype == torch.uint8]  # the workspace
+    out, ws = replay_keeping_workspace(monkeypatch, plan, list(new.values()), second[0])
     assert ws.numel() == layout.nbytes and len(got) == len(calls)
 
     offsets = {name: off for name, *_, off in layout.buffers}
@@ -905,10 +895,10 @@ def test_a_compiled_plan_hands_each_launcher_the_new_calls_addresses(monkeypatch
     bases = set()
     for call, args in zip(calls, got):
         entry = launch.cached(call)
-        assert args[:4 + len(head)] == (*entry.grid, 103, *head)
+        assert args[:4 + len(FAKE_HEAD)] == (*entry.grid, 103, *FAKE_HEAD)
         want = entry.full_args(call.args)
-        assert len(args) == 4 + len(head) + len(want)
-        for value, arg in zip(args[4 + len(head):], want):
+        assert len(args) == 4 + len(FAKE_HEAD) + len(want)
+        for value, arg in zip(args[4 + len(FAKE_HEAD):], want):
             if not isinstance(arg, torch.Tensor):
                 assert value == arg
                 continue

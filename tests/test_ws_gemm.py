@@ -14,7 +14,7 @@ from fp8_moe_ops.kernels import moe, ws_gemm
 from fp8_moe_ops.kernels.config import gemm_config
 from fp8_moe_ops.kernels.grouped_gemm import _grouped_gemm_kernel, max_row_tiles
 
-from helpers import printed_by_fresh_process
+from helpers import FAKE_HEAD, printed_by_fresh_process, record_with_fake_launchers, replay_keeping_workspace
 
 CUDA = torch.device("cuda", 0)
 FP8 = torch.float8_e4m3fn
@@ -305,28 +305,17 @@ def test_a_plan_replays_gluon_gemms_on_descriptors_of_the_new_calls_tensors(monk
     # launchers: a replay hands each launcher, for each TMA descriptor, the recorded one's
     # shape, strides and padding on the address of the new call's tensor of its base
     # (the weights given, the workspace's buffers of this replay)
-    from types import SimpleNamespace
-
-    from fp8_moe_ops.kernels import experts, launch
+    from fp8_moe_ops.kernels import launch
 
     T, k, E, H, I = 1100, 2, 4, 256, 128
     first = _experts_sources(T, k, E, H, I, seed=1)
     env, layout, calls = _experts_calls(monkeypatch, first, E, I)
     assert [c.kernel for c in calls].count(ws_gemm._ws_gemm_kernel) == 2  # gate_up and down
 
-    got = []
-    head = ("function", False, False, None, None, "metadata", None, None, None)
-    monkeypatch.setattr(launch.Launch, "compiled", lambda self: (lambda *a: got.append(a), head, 0))
-    current = SimpleNamespace(get_current_device=lambda: 0, get_current_stream=lambda device: 7)
-    monkeypatch.setattr(experts, "driver", SimpleNamespace(active=current))
-    plan = experts.ExpertsPlan.record(list(first), env, layout, calls)
+    plan, got = record_with_fake_launchers(monkeypatch, first, env, layout, calls)
     assert plan is not None
     second = _experts_sources(T, k, E, H, I, seed=2)
-    made, empty = [], torch.empty
-    monkeypatch.setattr(torch, "empty", lambda *a, **kw: made.append(empty(*a, **kw)) or made[-1])
-    out = plan.run(list(second.values()), second["hidden"])
-    monkeypatch.setattr(torch, "empty", empty)
-    (ws,) = [t for t in made if t.dtype == torch.uint8]
+    out, ws = replay_keeping_workspace(monkeypatch, plan, list(second.values()), second["hidden"])
     assert len(got) == len(calls)
 
     offsets = {name: off for name, *_, off in layout.buffers}
@@ -335,7 +324,7 @@ def test_a_plan_replays_gluon_gemms_on_descriptors_of_the_new_calls_tensors(monk
     new_address.update({id(env[name]): ws.data_ptr() + off for name, off in offsets.items()})
     descriptors = 0
     for call, args in zip(calls, got):
-        for value, arg in zip(args[4 + len(head):], launch.cached(call).full_args(call.args)):
+        for value, arg in zip(args[4 + len(FAKE_HEAD):], launch.cached(call).full_args(call.args)):
             if isinstance(arg, ws_gemm.TensorDescriptor):
                 descriptors += 1
                 assert value.base.data_ptr() == new_address[id(arg.base)]

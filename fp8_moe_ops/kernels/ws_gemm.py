@@ -48,9 +48,9 @@ stored, so no result depends on them.
 
 Used only where :func:`usable` says so (an sm_90 GPU, a prefill or mid-size entry of
 the launch table that chooses it, 128 x 128 blocks or coarser, TMA-aligned K); the
-grouped kernel runs everywhere else, and under ``TRITON_INTERPRET=1`` (Gluon has no interpreter).
-``FP8_MOE_GLUON=0`` in the environment turns it off, ``FP8_MOE_GLUON=1`` on wherever
-it can run.  The Gluon source is :mod:`.gluon_gemm`, written against Triton 3.6's
+grouped kernel runs everywhere else, and under ``TRITON_INTERPRET=1`` (Gluon has no
+interpreter).  ``FP8_MOE_GLUON=0`` in the environment turns it off, ``FP8_MOE_GLUON=1``
+on wherever it can run.  The Gluon source is :mod:`.gluon_gemm`, written against Triton 3.6's
 experimental Gluon API: with another Triton (or none of Gluon's Hopper API) the package
 still imports and the Triton kernel runs every GEMM.
 """
