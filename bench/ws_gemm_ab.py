@@ -1,10 +1,11 @@
 """Prefill layers with and without the Hopper GEMM kernel (``fp8_moe_ops/kernels/ws_gemm.py``).
 
     PYTHONPATH=. python bench/ws_gemm_ab.py --out-dir OUT [--cases "deepseek_v3:4096,8192;..."]
-        [--ways triton,ws,ws_tiles,ws_down_only,ws_mid,ws_col,ws_nolag,ws_narrow,ws_store_mma,ws_store_rows,shipped]
+        [--ways triton,ws,ws_tiles,ws_down_only,ws_mid,ws_col,ws_nolag,ws_narrow,ws_store_mma,ws_store_rows,
+                ws_sorted_all,shipped]
 
 For every case (model, T, dynamic / static activation scales, uniform routing) one
-process times ``torch.ops.fp8_moe.grouped_experts`` several ways, on the same inputs:
+process times the ``grouped_experts`` forward several ways, on the same inputs:
 
 * ``triton``: ``FP8_MOE_GLUON=0``, the grouped Triton kernel for both GEMMs (the
   layer as it ran before the Gluon kernel);
@@ -25,10 +26,16 @@ process times ``torch.ops.fp8_moe.grouped_experts`` several ways, on the same in
 * ``ws_store_mma`` / ``ws_store_rows``: as ``shipped`` with the Gluon kernel's output
   stored from the MMA layout (``EPILOGUE`` 0: 4 bytes of a row per store, its form
   before the TMA store) / as whole rows through shared memory everywhere (1: no TMA);
+* ``ws_sorted_all``: as ``shipped`` with the gate_up GEMM's rows in place (the Gluon
+  kernel then takes it) at 2048 slots or fewer from any rows per expert
+  (``experts.SORTED_A_MIN_ROWS`` 0), not only from 128;
 * ``shipped``: the launch table's choice (``"ws"`` in its entries).
 
-Per way, measured twice (the ways in order, then in reverse: a drift of the clocks
-over the case falls on every way alike) and averaged: the layer's median time (CUDA
+Each way runs the op's path below the dispatcher with a table of launch plans of its own
+(``experts.planned_experts``; the op's table keeps one plan per ``FP8_MOE_GLUON``
+setting, so through it a way that differs in a module constant would replay an earlier
+way's plan).  Per way, measured twice (the ways in order, then in reverse: a drift of the
+clocks over the case falls on every way alike) and averaged: the layer's median time (CUDA
 events, back-to-back calls), and from the profiler the device time of the gate_up
 GEMM, the down GEMM (the kernels whose name holds ``gemm``, in launch order) and the
 quantisation kernels (``quant``: the activations' and the gated activation's).  Every
@@ -47,7 +54,6 @@ import sys
 
 import torch
 
-import fp8_moe_ops  # noqa: F401  (registers torch.ops.fp8_moe)
 from common import (BLOCK, MODELS, ExperimentConfig, Runner, cuda_events, each_scheme_case, layer_flops, log,
                     markdown_table, parse_sweep, time_ms)
 from fp8_moe_ops.kernels import config, experts, ws_gemm
@@ -55,8 +61,9 @@ from fp8_moe_ops.kernels import config, experts, ws_gemm
 CASES = {"deepseek_v3": [4096, 8192, 16384], "qwen3_30b_a3b": [4096, 8192, 16384],
          "mixtral_8x7b": [2048, 4096, 16384]}
 WAYS = ("triton", "ws", "ws_tiles", "ws_down_only", "ws_mid", "ws_col", "ws_nolag", "ws_narrow", "ws_store_mma",
-        "ws_store_rows", "shipped")
-SHIPPED_LIKE = ("shipped", "ws_nolag", "ws_narrow", "ws_store_mma", "ws_store_rows")  # the launch table decides
+        "ws_store_rows", "ws_sorted_all", "shipped")
+SHIPPED_LIKE = ("shipped", "ws_nolag", "ws_narrow", "ws_store_mma", "ws_store_rows",
+                "ws_sorted_all")  # the launch table decides
 
 
 @contextlib.contextmanager
@@ -65,6 +72,7 @@ def _way(way: str):
     programs of one way."""
     real_call, real_sorted, real_table = ws_gemm.ws_gemm_call, experts._sorted_a, config._table
     real_lag, real_epilogue, real_wide = ws_gemm.LAG, ws_gemm.EPILOGUE, ws_gemm.WIDE
+    real_sorted_rows = experts.SORTED_A_MIN_ROWS
     if way not in SHIPPED_LIKE:
         os.environ["FP8_MOE_GLUON"] = "0" if way == "triton" else "1"
     if way == "ws_col":
@@ -77,6 +85,8 @@ def _way(way: str):
         ws_gemm.WIDE = False
     if way in ("ws_store_mma", "ws_store_rows"):
         ws_gemm.EPILOGUE = 0 if way == "ws_store_mma" else 1
+    if way == "ws_sorted_all":
+        experts.SORTED_A_MIN_ROWS = 0
     if way == "ws_down_only":
         experts._sorted_a = lambda *a: False
     if way == "ws_mid":
@@ -94,6 +104,7 @@ def _way(way: str):
         os.environ.pop("FP8_MOE_GLUON", None)
         ws_gemm.ws_gemm_call, experts._sorted_a, config._table = real_call, real_sorted, real_table
         ws_gemm.LAG, ws_gemm.EPILOGUE, ws_gemm.WIDE = real_lag, real_epilogue, real_wide
+        experts.SORTED_A_MIN_ROWS = real_sorted_rows
 
 
 def kernel_ms(fn, calls: int = 10) -> dict:
@@ -111,10 +122,14 @@ def kernel_ms(fn, calls: int = 10) -> dict:
 
 def measure(weights, inputs, scales, flops: int, ways) -> dict:
     x, idx, wts = inputs
-    fn = functools.partial(torch.ops.fp8_moe.grouped_experts, x, idx, wts, weights.gate_up, weights.gate_up_scale,
-                           weights.down, weights.down_scale, BLOCK, "silu", *scales)
+    args = (x, idx, wts, weights.gate_up, weights.gate_up_scale, weights.down, weights.down_scale, BLOCK, "silu",
+            *scales, None)
+    # each way through its own table of launch plans: the op keeps one per FP8_MOE_GLUON
+    # setting, so a way that differs in a module constant would replay an earlier way's plan
+    plans = {way: {} for way in ways}
     samples, outs = {way: [] for way in ways}, {}
     for way in [*ways, *reversed(ways)]:  # each way twice, in mirrored order: drifts in clock cancel
+        fn = functools.partial(experts.planned_experts, plans[way], "layer", args)
         with _way(way):
             if way not in outs:
                 outs[way] = fn()
