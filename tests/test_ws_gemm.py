@@ -284,12 +284,12 @@ def _experts_calls(monkeypatch, sources, E, I):
 
 def test_gate_up_rows_in_place_sort_in_three_launches_at_any_size(monkeypatch):
     # where the Gluon kernel takes the gate_up GEMM its A rows are stored per sorted slot,
-    # which the one-launch sort cannot do: at 2048 slots or fewer, from 128 rows per expert
-    # (mixtral_8x7b's T=512 and 1024), the sort takes its three launches and the
+    # which the one-launch sort cannot do: at 2048 slots or fewer, from 72 rows per expert
+    # (mixtral_8x7b's T=288 to 1024), the sort takes its three launches and the
     # quantisation its own; below, the one-launch sort runs and the GEMM gathers its rows
     from fp8_moe_ops.kernels import moe, sort
 
-    for T, k, E, in_place in [(1100, 2, 4, True), (256, 2, 4, True), (254, 2, 4, False), (32, 2, 1, False)]:
+    for T, k, E, in_place in [(1100, 2, 4, True), (144, 2, 4, True), (143, 2, 4, False), (32, 2, 1, False)]:
         env, _, calls = _experts_calls(monkeypatch, _experts_sources(T, k, E, 256, 128, seed=T), E, 128)
         kernels = [c.kernel for c in calls]
         if in_place:
