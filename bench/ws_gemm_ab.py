@@ -28,7 +28,7 @@ process times the ``grouped_experts`` forward several ways, on the same inputs:
   before the TMA store) / as whole rows through shared memory everywhere (1: no TMA);
 * ``ws_sorted_all``: as ``shipped`` with the gate_up GEMM's rows in place (the Gluon
   kernel then takes it) at 2048 slots or fewer from any rows per expert
-  (``experts.SORTED_A_MIN_ROWS`` 0), not only from 128;
+  (``experts.SORTED_A_MIN_ROWS`` 0), not only from the shipped threshold;
 * ``shipped``: the launch table's choice (``"ws"`` in its entries).
 
 Each way runs the op's path below the dispatcher with a table of launch plans of its own

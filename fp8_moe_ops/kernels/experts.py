@@ -88,7 +88,7 @@ ACT_SLOTS = 16
 # at most MAX_SLOTS slots, the gate_up GEMM reads its rows in place (where the Gluon kernel
 # takes it; the sort then takes three launches and the quantisation its own) only from this
 # many rows per expert: on the H200 mixtral_8x7b's layer at T=256 (64 rows) was 3-5 % slower
-# so, at T=288 to 448 (72 to 112 rows) 4-16 % faster, at T=512 and 1024 8-14 %
+# so, at T=288 to 448 (72 to 112 rows) 4-16 % faster, at T=512 and 1024 10-18 %
 # (docs/benchmarks.md).  It implies more than COMBINE_SLOTS slots (up to there the one-launch
 # sort zeroes the counters of the kernels fused into the GEMMs' launches).
 SORTED_A_MIN_ROWS = 72
