@@ -4,10 +4,13 @@
         [--candidates "128,128,8,4;64,128,4,4"]
 
 For each (model, T) of the sweep, every candidate config (BM, BN, num_warps,
-num_stages) is forced on both GEMMs of ``fp8_moe::grouped_experts`` (dynamic scheme,
+num_stages) is forced on both GEMMs of the ``grouped_experts`` forward (dynamic scheme,
 uniform routing) and the layer is timed as the median replay of a CUDA graph (GPU time,
 not launch overhead); variant ``default`` is the shipped table (which may give the two
-GEMMs different tiles, e.g. a narrower ``BN`` at decode).  A candidate that does not
+GEMMs different tiles, e.g. a narrower ``BN`` at decode).  The forward is the kernels'
+entry without launch plans (``fp8_moe_ops.kernels.grouped_experts``): through the op,
+whose plans are kept per argument signature, every candidate after the first would
+replay the first one's launches.  A candidate that does not
 compile or run (e.g. out of shared memory) is a failed case: the sweep goes on and
 exits 1.  The winners per bucket of rows per expert go into
 ``fp8_moe_ops/kernels/configs/h200.json`` by hand (see docs/benchmarks.md).
@@ -21,9 +24,9 @@ import sys
 
 import torch
 
-import fp8_moe_ops  # noqa: F401  (registers torch.ops.fp8_moe)
 from common import (BLOCK, MODELS, ExperimentConfig, Runner, graph_ms, layer_inputs, layer_weights, markdown_table,
                     parse_sweep)
+from fp8_moe_ops import kernels
 from fp8_moe_ops.kernels import moe
 
 CANDIDATES = [  # BM, BN, num_warps, num_stages
@@ -39,8 +42,8 @@ def forced(candidate, fn) -> dict:
     """Graph time of ``fn`` with ``candidate`` on every grouped GEMM (the table restored after)."""
     bm, bn, nw, ns = candidate
     default = moe.gemm_config
-    moe.gemm_config = lambda S, E, N, K, split_k=False: {"BM": bm, "BN": bn, "GROUP_M": 8, "num_warps": nw,
-                                                         "num_stages": ns}
+    moe.gemm_config = lambda S, E, N, K, split_k=False, sms=None: {"BM": bm, "BN": bn, "GROUP_M": 8, "num_warps": nw,
+                                                                   "num_stages": ns}
     try:
         return {"graph_ms": graph_ms(fn)}
     finally:
@@ -64,7 +67,7 @@ def main() -> int:
         w = layer_weights(model, gen)
         for T in tokens:
             x, idx, wts = layer_inputs(model, T, gen)
-            fn = lambda: torch.ops.fp8_moe.grouped_experts(x, idx, wts, *w, BLOCK)  # noqa: E731
+            fn = lambda: kernels.grouped_experts(x, idx, wts, *w, BLOCK)  # noqa: E731
             rows = T * model.top_k / min(model.E, T * model.top_k)
             for cand in candidates:
                 runner.run(ExperimentConfig("tune", name, T, ",".join(map(str, cand)),
