@@ -285,6 +285,26 @@ def test_list_parts_runs_on_cpu(common, monkeypatch, tmp_path):
         (f"E=4 {form}", part, count) for form, count in (("fused", 16), ("separate", 24)) for part in pieces]
 
 
+def test_tune_forces_its_candidate_on_the_gemm_call(common, monkeypatch):
+    # the candidate replaces the launch table for every argument the forward passes it
+    # (its SM count too); the table comes back after
+    from fp8_moe_ops.kernels import config, moe
+
+    tune = _load("tune", monkeypatch)
+    built = []
+    monkeypatch.setattr(tune, "graph_ms", lambda fn: built.append(fn()) or 1.5)
+    w = torch.zeros(2, 256, 256, dtype=torch.float8_e4m3fn)
+    gemm = lambda: moe._gemm_call(torch.zeros(64, 256, dtype=torch.float8_e4m3fn), torch.ones(64, 2), w,  # noqa: E731
+                                  torch.ones(2, 2, 2), (128, 128), torch.empty(64, 256, dtype=torch.bfloat16),
+                                  offsets=torch.tensor([32, 64], dtype=torch.int32))
+    assert gemm().constexprs["BM"] == 64  # the table's
+    assert tune.forced((16, 32, 2, 3), gemm) == {"graph_ms": 1.5}
+    (call,) = built
+    assert (call.constexprs["BM"], call.constexprs["BN"]) == (16, 32)
+    assert (call.options["num_warps"], call.options["num_stages"]) == (2, 3)
+    assert moe.gemm_config is config.gemm_config
+
+
 def test_static_gap_calibrates_each_expert_on_its_own_tokens(common, monkeypatch):
     # the gate_up scale of expert e is the amax of the tokens routed to e / 448 (an expert
     # without tokens gets the layer's largest, as calibrate_static_scales gives it); the
