@@ -189,10 +189,6 @@ def _gemm_call(q, q_scale, w, w_scale, block, out, *, offsets=None, perm=None, g
     split = table and w.split
     cfg = gemm_config(S, E, 2 * N if split else N, K, combine is not None,
                       ws_gemm.programs(out.device) if out.is_cuda else None)
-    k_split = cfg.get("SPLIT", 1)
-    BM, BN = cfg["BM"], cfg["BN"]
-    num_pid_m = max_row_tiles(S, E, BM, offsets is not None)
-    grid = (num_pid_m * cdiv(N, BN) * (2 if split else 1) * k_split,)
     align = w.align if table else 16
     if table:
         ws_strides, one_scale_row, e8m0 = (0, *w.scale_strides), w.scale_rows == 1, w.scale_e8m0
@@ -208,6 +204,11 @@ def _gemm_call(q, q_scale, w, w_scale, block, out, *, offsets=None, perm=None, g
                                     scatter_out=scatter_out, static=static, e8m0=e8m0,
                                     num_pid_m=max_row_tiles(S, E, ws_gemm.TILE, True),
                                     group_m=cfg["GROUP_M"], max_programs=ws_gemm.programs(out.device))
+    # the grouped Triton kernel, on the entry's tiles
+    k_split = cfg.get("SPLIT", 1)
+    BM, BN = cfg["BM"], cfg["BN"]
+    num_pid_m = max_row_tiles(S, E, BM, offsets is not None)
+    grid = (num_pid_m * cdiv(N, BN) * (2 if split else 1) * k_split,)
     dummy = out
     options = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if "maxnreg" in cfg:
