@@ -51,6 +51,7 @@ import functools
 import os
 import statistics
 import sys
+from unittest import mock
 
 import torch
 
@@ -69,42 +70,38 @@ SHIPPED_LIKE = ("shipped", "ws_nolag", "ws_narrow", "ws_store_mma", "ws_store_ro
 @contextlib.contextmanager
 def _way(way: str):
     """The environment switch, the gate_up GEMM's A and the Gluon kernel's GROUP_M and
-    programs of one way."""
-    real_call, real_sorted, real_table = ws_gemm.ws_gemm_call, experts._sorted_a, config._table
-    real_lag, real_epilogue, real_wide = ws_gemm.LAG, ws_gemm.EPILOGUE, ws_gemm.WIDE
-    real_sorted_rows = experts.SORTED_A_MIN_ROWS
-    if way not in SHIPPED_LIKE:
-        os.environ["FP8_MOE_GLUON"] = "0" if way == "triton" else "1"
-    if way == "ws_col":
-        ws_gemm.ws_gemm_call = lambda *a, **kw: real_call(*a, **{**kw, "group_m": 1})
-    if way == "ws_tiles":
-        ws_gemm.ws_gemm_call = lambda *a, **kw: real_call(*a, **{**kw, "max_programs": None})
-    if way == "ws_nolag":
-        ws_gemm.LAG = False
-    if way == "ws_narrow":
-        ws_gemm.WIDE = False
-    if way in ("ws_store_mma", "ws_store_rows"):
-        ws_gemm.EPILOGUE = 0 if way == "ws_store_mma" else 1
-    if way == "ws_sorted_all":
-        experts.SORTED_A_MIN_ROWS = 0
-    if way == "ws_down_only":
-        experts._sorted_a = lambda *a: False
-    if way == "ws_mid":
-        shipped = real_table()
-        prefill = {**shipped["default"][-1], "max_rows": None}
+    programs of one way (every module global it sets is restored on exit)."""
+    with contextlib.ExitStack() as stack:
+        def patch(module, name, value):
+            stack.enter_context(mock.patch.object(module, name, value))
 
-        def mid(entries):
-            return [{**prefill, "max_rows": e["max_rows"]} if e["BM"] == 64 else e for e in entries]
+        if way not in SHIPPED_LIKE:
+            stack.enter_context(mock.patch.dict(os.environ, {"FP8_MOE_GLUON": "0" if way == "triton" else "1"}))
+        real_call = ws_gemm.ws_gemm_call
+        if way == "ws_col":
+            patch(ws_gemm, "ws_gemm_call", lambda *a, **kw: real_call(*a, **{**kw, "group_m": 1}))
+        if way == "ws_tiles":
+            patch(ws_gemm, "ws_gemm_call", lambda *a, **kw: real_call(*a, **{**kw, "max_programs": None}))
+        if way == "ws_nolag":
+            patch(ws_gemm, "LAG", False)
+        if way == "ws_narrow":
+            patch(ws_gemm, "WIDE", False)
+        if way in ("ws_store_mma", "ws_store_rows"):
+            patch(ws_gemm, "EPILOGUE", 0 if way == "ws_store_mma" else 1)
+        if way == "ws_sorted_all":
+            patch(experts, "SORTED_A_MIN_ROWS", 0)
+        if way == "ws_down_only":
+            patch(experts, "_sorted_a", lambda *a: False)
+        if way == "ws_mid":
+            shipped = config._table()
+            prefill = {**shipped["default"][-1], "max_rows": None}
 
-        table = {"default": mid(shipped["default"]), "shapes": {k: mid(v) for k, v in shipped["shapes"].items()}}
-        config._table = lambda: table
-    try:
+            def mid(entries):
+                return [{**prefill, "max_rows": e["max_rows"]} if e["BM"] == 64 else e for e in entries]
+
+            table = {"default": mid(shipped["default"]), "shapes": {k: mid(v) for k, v in shipped["shapes"].items()}}
+            patch(config, "_table", lambda: table)
         yield
-    finally:
-        os.environ.pop("FP8_MOE_GLUON", None)
-        ws_gemm.ws_gemm_call, experts._sorted_a, config._table = real_call, real_sorted, real_table
-        ws_gemm.LAG, ws_gemm.EPILOGUE, ws_gemm.WIDE = real_lag, real_epilogue, real_wide
-        experts.SORTED_A_MIN_ROWS = real_sorted_rows
 
 
 def kernel_ms(fn, calls: int = 10) -> dict:
