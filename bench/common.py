@@ -193,14 +193,21 @@ def table_override(table: str) -> None:
     removes the key) set on every entry of the grouped GEMM's launch-config table, as if
     checked in (so at a T whose rows per expert fall in one bucket, on that bucket's
     entry), and on an entry's ``dense`` form where that holds the key ("dense=none" leaves
-    the entries their own form only).  With a weight shape before a colon
-    ("N,K:KEY=VALUE,..."), only on the entries of that shape's own list.  Call before the
-    first launch: launches and launch plans are cached."""
+    the entries their own form only).  "own.KEY=VALUE" sets the entry's own form only (a
+    dense form keeps what it had, inherited or its own), "dense.KEY=VALUE" the dense form
+    only, where an entry has one.  With a weight shape before a colon ("N,K:KEY=VALUE,..."),
+    only on the entries of that shape's own list.  Call before the first launch: launches
+    and launch plans are cached."""
     from fp8_moe_ops.kernels import config
 
     shape, _, table = table.rpartition(":")
-    pairs = (kv.split("=") for kv in table.split(","))
-    changes = {key: None if value == "none" else int(value) for key, value in pairs}
+    changes: dict[str, dict] = {"": {}, "own": {}, "dense": {}}  # both forms, the entry's own, the dense one
+    for pair in table.split(","):
+        name, value = pair.split("=")
+        form, _, key = name.rpartition(".")
+        if form not in changes:
+            raise ValueError(f"table_override: expected KEY, own.KEY or dense.KEY, got {name!r}")
+        changes[form][key] = None if value == "none" else int(value)
     shipped = config._table()
     if shape and shape not in shipped["shapes"]:
         raise ValueError(f"table_override: shape {shape!r} has no list of its own in the table "
@@ -209,10 +216,17 @@ def table_override(table: str) -> None:
     def change(entry: dict, entry_shape: str | None) -> dict:
         if shape and entry_shape != shape:
             return entry
-        entry = {**entry, **changes}
-        if isinstance(entry.get("dense"), dict):
-            entry["dense"] = {key: changes.get(key, value) for key, value in entry["dense"].items()}
-            entry["dense"] = {key: value for key, value in entry["dense"].items() if value is not None}
+        shipped_entry, entry = entry, {**entry, **changes[""], **changes["own"]}
+        dense = entry.get("dense")
+        if isinstance(dense, dict):
+            # the dense form inherits the keys it does not hold: an own-form change must not reach it
+            inherited = {key for key in changes["own"] if key not in dense}
+            if any(key not in shipped_entry for key in inherited):
+                raise ValueError(f"table_override: own.{sorted(inherited - set(shipped_entry))[0]} would reach the "
+                                 f"dense form, which inherits it (set dense.KEY too)")
+            dense = {**{key: shipped_entry[key] for key in inherited},
+                     **{key: changes[""].get(key, value) for key, value in dense.items()}, **changes["dense"]}
+            entry["dense"] = {key: value for key, value in dense.items() if value is not None}
         return {key: value for key, value in entry.items() if value is not None or key == "max_rows"}
 
     patched = {**shipped, "default": [change(e, None) for e in shipped["default"]],

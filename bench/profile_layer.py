@@ -1,7 +1,7 @@
 """GPU time per kernel of one ``fp8_moe::grouped_experts`` call (torch.profiler).
 
     PYTHONPATH=. python bench/profile_layer.py --out-dir OUT [--cases "qwen3_30b_a3b:1,8;..."]
-        [--table [N,K:]maxnreg=none] [--slots COMBINE_SLOTS=128] [--name profile_layer]
+        [--table [N,K:][own.|dense.]maxnreg=none] [--slots COMBINE_SLOTS=128] [--name profile_layer]
 
 For each (model, T), dynamic and static activation scales: the median over 20 calls of
 every kernel's device time, their sum, and the CUDA-graph replay time of the whole call
@@ -50,7 +50,8 @@ def main() -> int:
     p.add_argument("--cases", default=None, help="model:T,T;... (default: CASES)")
     p.add_argument("--table", default=None,
                    help="[N,K:]KEY=VALUE,... set on every entry of the launch-config table, or of one weight "
-                        "shape's list (e.g. maxnreg=none, 7168,2048:min_programs=896)")
+                        "shape's list; own.KEY / dense.KEY on one form of an entry only (e.g. maxnreg=none, "
+                        "7168,2048:min_programs=896, own.maxnreg=none; common.table_override)")
     p.add_argument("--slots", default=None,
                    help="NAME=VALUE,... the experts forward's ACT_SLOTS / COMBINE_SLOTS for the run")
     p.add_argument("--name", default="profile_layer", help="output files OUT/<name>.json and .md")

@@ -148,6 +148,30 @@ def test_table_override_changes_every_entry_and_removes_keys(common, monkeypatch
     assert config.gemm_config(2, 8, 28672, 4096)["BN"] == 128  # the entry's own form only
 
 
+def test_table_override_of_one_form_leaves_the_other(common, monkeypatch):
+    from fp8_moe_ops.kernels import config
+
+    shipped = config._table
+    monkeypatch.setattr(config, "_table", shipped)  # restored after the test
+    # mixtral_8x7b's gate_up: T=4 takes the dense form (72 registers), T=8 the entry's own (128)
+    assert config.gemm_config(8, 8, 28672, 4096)["maxnreg"] == 72
+    assert config.gemm_config(16, 8, 28672, 4096)["maxnreg"] == 128
+    common.table_override("own.maxnreg=none,own.num_stages=6")
+    assert config.gemm_config(8, 8, 28672, 4096)["maxnreg"] == 72  # the dense form keeps its own cap
+    assert config.gemm_config(8, 8, 28672, 4096)["num_stages"] == 4  # and the stages it inherited
+    assert "maxnreg" not in config.gemm_config(16, 8, 28672, 4096)
+    assert config.gemm_config(16, 8, 28672, 4096)["num_stages"] == 6
+    common.table_override("own.per_sm=3")  # on the table above: 3 uncapped programs per SM, so at T=4
+    assert config.gemm_config(8, 8, 28672, 4096)["BN"] == 128  # the own form fills its waves better
+    monkeypatch.setattr(config, "_table", shipped)
+    common.table_override("dense.maxnreg=80")
+    assert config.gemm_config(4, 8, 28672, 4096)["maxnreg"] == 80  # T=2: the dense form
+    with pytest.raises(ValueError, match="own.KEY or dense.KEY, got 'both.BN'"):
+        common.table_override("both.BN=64")
+    with pytest.raises(ValueError, match="own.split would reach the dense form"):
+        common.table_override("own.split=2")
+
+
 def test_table_override_of_one_shape_leaves_the_others(common, monkeypatch):
     from fp8_moe_ops.kernels import config
 
