@@ -221,9 +221,10 @@ def table_override(table: str) -> None:
         if isinstance(dense, dict):
             # the dense form inherits the keys it does not hold: an own-form change must not reach it
             inherited = {key for key in changes["own"] if key not in dense}
-            if any(key not in shipped_entry for key in inherited):
-                raise ValueError(f"table_override: own.{sorted(inherited - set(shipped_entry))[0]} would reach the "
-                                 f"dense form, which inherits it (set dense.KEY too)")
+            unpinned = sorted(inherited - shipped_entry.keys())  # in neither form: no value to keep
+            if unpinned:
+                raise ValueError(f"table_override: own.{unpinned[0]} would reach the dense form, which inherits "
+                                 f"it (set dense.{unpinned[0]} too)")
             dense = {**{key: shipped_entry[key] for key in inherited},
                      **{key: changes[""].get(key, value) for key, value in dense.items()}, **changes["dense"]}
             entry["dense"] = {key: value for key, value in dense.items() if value is not None}
