@@ -27,6 +27,11 @@ settings.load_profile("fp8_moe_ops")
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under pytest-xdist (the README's ``-n auto``) the workers share the cores: one worker's
+# torch ops spread over all of them would oversubscribe them.
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 
 @pytest.fixture(autouse=True)
 def _seeded():

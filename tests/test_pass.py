@@ -370,7 +370,7 @@ graph():
     def test_float32_and_float16_hidden_states(self):
         m = experts()
         for dtype in (torch.float32, torch.float16):
-            with self.subTest(dtype=dtype):
+            with self.subTest(dtype=str(dtype)):  # pytest-xdist sends a subtest's values as plain data
                 args = inputs(7, seed=15, dtype=dtype)
                 with fresh_counters():
                     out, gm = post_grad(m, *args)
