@@ -1,5 +1,5 @@
-"""Registers, spills and shared memory of every launch of one ``grouped_experts`` call,
-compiled for the H200 (sm_90a) on this machine: no GPU needed.
+"""Registers, spills, shared memory and SASS instructions of every launch of one
+``grouped_experts`` call, compiled for the H200 (sm_90a) on this machine: no GPU needed.
 
     PYTHONPATH=. python bench/kernel_resources.py --out-dir OUT [--cases "qwen3_30b_a3b:1,8;..."] [--table KEY=VALUE,...]
         [--slots ACT_SLOTS=0]
@@ -10,14 +10,17 @@ compiled by ``triton.compile`` for ``GPUTarget("cuda", 90, 32)`` with the launch
 compile-time values and options and the JIT's specialisation of the run-time arguments
 (every pointer 16-byte aligned, as the workspace's buffers and the weights are;
 integers equal to 1 constant, multiples of 16 known as such); ``ptxas -v`` of Triton's
-wheel reports the registers and spills.  A program of 4 warps over 168 registers per thread leaves room for 2 programs
-per SM (65536 registers).  Writes ``OUT/kernel_resources.json`` / ``.md``; exits 1 if any
-case failed.
+wheel reports the registers and spills; its ``cuobjdump -sass`` gives the instructions
+(the kernel's code, without out-of-line slow paths: a count of the code, not of what
+runs, which loops multiply) and the IEEE divisions compiled.  A program of 4 warps over
+168 registers per thread leaves room for 2 programs per SM (65536 registers).  Writes
+``OUT/kernel_resources.json`` / ``.md``; exits 1 if any case failed.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import subprocess
@@ -72,12 +75,27 @@ def resources(call) -> dict:
         ptx = os.path.join(tmp, "k.ptx")
         with open(ptx, "w") as f:
             f.write(compiled.asm["ptx"])
-        report = subprocess.run([triton.knobs.nvidia.ptxas.path, f"-arch=sm_{TARGET.arch}a", "-v", ptx, "-o",
-                                 os.path.join(tmp, "k.cubin")], capture_output=True, text=True, check=True).stderr
+        ptxas = triton.knobs.nvidia.ptxas.path
+        cubin = os.path.join(tmp, "k.cubin")
+        report = subprocess.run([ptxas, f"-arch=sm_{TARGET.arch}a", "-v", ptx, "-o", cubin],
+                                capture_output=True, text=True, check=True).stderr
+        sass = subprocess.run([os.path.join(os.path.dirname(ptxas), "cuobjdump"), "-sass", cubin],
+                              capture_output=True, text=True, check=True).stdout
     regs = int(re.findall(r"Used (\d+) registers", report)[-1])
     spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", report))
     return {"kernel": fn.__name__, "registers": regs, "spill_bytes": spills, "shared_bytes": compiled.metadata.shared,
-            "warps": call.options.get("num_warps", 4)}
+            "warps": call.options.get("num_warps", 4), **sass_counts(sass)}
+
+
+def sass_counts(sass: str) -> dict:
+    """Counts in a kernel's SASS (``cuobjdump -sass``): ``instructions`` up to its last
+    ``EXIT`` (the out-of-line subroutines after it, such as IEEE division's slow path,
+    left out; NOPs too) and ``divisions``, its IEEE divisions (``div.rn``: one ``FCHK``
+    range check each)."""
+    ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass)
+    last_exit = max((i for i, op in enumerate(ops) if op == "EXIT"), default=len(ops) - 1)
+    main = ops[: last_exit + 1]
+    return {"instructions": sum(op != "NOP" for op in main), "divisions": sum(op.startswith("FCHK") for op in main)}
 
 
 def _summary(launches: list[dict]) -> dict:
@@ -105,7 +123,8 @@ def main() -> int:
             for scheme in ("dynamic", "static"):
                 calls = shape_calls(T, model.top_k, model.E, model.H, model.I, tuple(BLOCK), scheme == "static")
                 runner.run(ExperimentConfig("resources", name, T, scheme),
-                           lambda calls=calls: _summary([resources(c) for c in calls]))
+                           lambda calls=calls: _summary([dict(resources(c), programs=math.prod(c.grid))
+                                                         for c in calls]))
         runner.save(table(runner))
     return runner.exit_code()
 
@@ -119,7 +138,9 @@ def table(runner: Runner) -> str:
     return markdown_table(rows, [("model", "model", ""), ("T", "tokens", ""), ("scheme", "variant", ""),
                                  ("launch", "launch", ""), ("kernel", "kernel", ""), ("registers", "registers", ""),
                                  ("spilled B", "spill_bytes", ""), ("shared B", "shared_bytes", ""),
-                                 ("warps", "warps", ""), ("error", "error", "")])
+                                 ("warps", "warps", ""), ("programs", "programs", ""),
+                                 ("SASS instructions", "instructions", ""), ("div.rn", "divisions", ""),
+                                 ("error", "error", "")])
 
 
 if __name__ == "__main__":

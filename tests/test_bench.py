@@ -364,13 +364,20 @@ def test_bench_and_tests_name_the_same_benchmark_layers(monkeypatch):
 
 
 def test_kernel_resources_compiles_a_launch_for_sm90_without_a_gpu():
-    # the combine launch of a small forward (80 slots: its own kernel), compiled for sm_90a
+    # the gated activation and the combine launches of a small forward (80 slots: each its
+    # own kernel), compiled for sm_90a
     code = ("import sys; sys.path.insert(0, sys.argv[1]); import kernel_resources as kr; "
             "from fp8_moe_ops.kernels.experts import shape_calls; "
-            "print(kr.resources(shape_calls(20, 4, 8, 64, 32, (16, 16))[-1]))")
-    res = printed_by_fresh_process(code)
-    assert res["kernel"] == "_combine_kernel" and res["warps"] == 4
-    assert 0 < res["registers"] <= 255 and res["spill_bytes"] == 0 and res["shared_bytes"] >= 0
+            "print([kr.resources(c) for c in shape_calls(20, 4, 8, 64, 32, (16, 16))[2::2]])")
+    act, combine = printed_by_fresh_process(code)
+    assert (act["kernel"], combine["kernel"]) == ("_gated_act_quant_kernel", "_combine_kernel")
+    for res in (act, combine):
+        assert res["warps"] == 4 and 0 < res["registers"] <= 255 and res["spill_bytes"] == 0
+        assert res["shared_bytes"] >= 0 and res["instructions"] > 100
+    # 16 x 16 elements over 128 threads: each thread's two quotients by its row's scale
+    # (silu's division is an approximate reciprocal on the GPU), and the scale's own
+    # division by 448; the combine divides nothing
+    assert (act["divisions"], combine["divisions"]) == (3, 0)
 
 
 def test_decode_forms_fit_their_programs_per_sm_on_sm90():
