@@ -21,6 +21,21 @@ def _scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
     return torch.where(amax > 0, amax, fallback) / FP8_MAX
 
 
+def _check_finite(m: nn.Module, name: str) -> None:
+    """Raises where ``m``'s recorded input maxima hold a NaN or an infinity."""
+    bad = ~torch.isfinite(m._observer)
+    if not bad.any():
+        return
+    where = f"model.{name}" if name else "model"
+    if isinstance(m, FP8Linear):
+        what = "its input"
+    else:
+        proj, expert = (int(i) for i in bad.nonzero()[0])
+        what = f"the {('gate_up', 'down')[proj]} input of expert {expert}"
+    raise ValueError(f"calibration_batches: expected finite activations, got NaN or Inf in {where} "
+                     f"({type(m).__name__}): {what}; no static scale can represent it")
+
+
 @torch.no_grad()
 def calibrate_static_scales(model: nn.Module, calibration_batches: Iterable) -> nn.Module:
     """Switches every ``FP8Linear`` / ``FP8Experts`` in ``model`` to static activation scales.
@@ -29,11 +44,14 @@ def calibrate_static_scales(model: nn.Module, calibration_batches: Iterable) -> 
     tensor) with the current (dynamic) scheme, records the largest absolute input of
     every linear and, per expert, of the gate_up and down projections, then sets
     ``activation_scheme = "static"`` with scale ``amax / 448`` (the dequant multiplier).
-    Returns ``model``, modified in place.
+    Returns ``model``, modified in place.  A NaN or an infinity in any recorded input
+    raises ``ValueError`` naming the module and the projection, and leaves every module
+    as it was (dynamic): no finite scale can represent it.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
-    targets = [m for m in model.modules() if isinstance(m, (FP8Linear, FP8Experts))]
+    names = {m: name for name, m in model.named_modules() if isinstance(m, (FP8Linear, FP8Experts))}
+    targets = list(names)
     if not targets:
         raise ValueError("model: expected a module containing FP8Linear or FP8Experts, found none")
     for m in targets:
@@ -50,6 +68,8 @@ def calibrate_static_scales(model: nn.Module, calibration_batches: Iterable) -> 
             seen += 1
         if seen == 0:
             raise ValueError("calibration_batches: expected at least one batch, got none")
+        for m in targets:
+            _check_finite(m, names[m])
         for m in targets:
             scales = _scale_from_amax(m._observer)
             if isinstance(m, FP8Linear):

@@ -89,6 +89,33 @@ def test_calibration_expert_without_tokens_takes_layer_max():
     assert d[3] == d[:3].max()
 
 
+def test_calibration_refuses_nan_or_inf_and_leaves_the_model_dynamic():
+    # one NaN token would have given its experts the fallback scale 1/448 (no error);
+    # an Inf, an infinite scale that only the next forward refused
+    gu, dp = _float_experts(E=4)
+    model = nn.Sequential(FP8Linear.from_float(nn.Linear(96, 96, bias=False), block_size=(32, 32)))
+    model.append(FP8Experts.from_float(gu, dp, block_size=(32, 32)))
+    idx = torch.tensor([[0, 1], [2, 3], [1, 2]])
+
+    def forward(x):
+        return model[1](model[0](x), idx, torch.full((3, 2), 0.5))
+
+    model.forward = forward
+    x = torch.randn(3, 96)
+    bad = x.clone()
+    bad[1, 5] = float("nan")
+    with pytest.raises(ValueError, match=r"NaN or Inf in model\.0 \(FP8Linear\): its input"):
+        fp8_moe_ops.calibrate_static_scales(model, [x, bad])
+    for m in model:
+        assert m.activation_scheme == "dynamic" and m._observer is None
+    assert model[1].gate_up_proj_activation_scale is None
+    # finite inputs whose expert 1 overflows its gate_up output: its down input is infinite
+    model[1].gate_up_proj_scale_inv.data[1].fill_(1e38)
+    with pytest.raises(ValueError, match=r"model\.1 \(FP8Experts\): the down input of expert 1;"):
+        fp8_moe_ops.calibrate_static_scales(model, [x])
+    assert model[1].activation_scheme == "dynamic" and model[0].activation_scale is None
+
+
 def test_module_argument_errors():
     with pytest.raises(ValueError, match="dispatch: expected one of"):
         FP8Experts(4, 64, 32, dispatch="loop")
