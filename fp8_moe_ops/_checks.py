@@ -70,6 +70,16 @@ def check_swiglu_limit(swiglu_limit: object) -> float | None:
     return float(swiglu_limit)
 
 
+def check_scale_values(name: str, s: torch.Tensor | None) -> None:
+    """Finite positive scales (the ops check them on CPU only: on CUDA a check would
+    cost a device sync per call)."""
+    if s is None or s.numel() == 0:
+        return
+    sf = s.float()
+    if not bool(torch.isfinite(sf).all()) or bool((sf <= 0).any()):
+        fail(ValueError, name, "finite positive scales", f"min {sf.min().item()}, max {sf.max().item()}")
+
+
 def meta_key(args: tuple) -> tuple:
     """Everything the metadata checks and the launch plans read from the experts ops'
     arguments: each tensor's dtype, shape, strides, device and whether its address is

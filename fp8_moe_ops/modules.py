@@ -7,8 +7,9 @@ checkpoints map one to one.  Static activation scales are set by
 
 Both modules check what they are given as the ops do -- a ``TypeError`` or
 ``ValueError`` naming the argument (or state-dict key), with expected and got -- at
-construction, on assignment of ``activation_scheme`` / ``dispatch`` / ``activation``,
-in ``forward`` and in ``load_state_dict``, so misuse never runs silently.
+construction, on assignment of ``activation_scheme`` / ``dispatch`` / ``activation`` /
+``swiglu_limit``, in ``forward`` and in ``load_state_dict``, so misuse never runs
+silently.  What shapes the weights (sizes, ``block_size``) is fixed at construction.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from ._checks import (
     check_choice,
     check_positive_int,
     check_scale_dtype,
+    check_scale_values,
     check_swiglu_limit,
     fail,
     keep_newest,
@@ -48,6 +50,24 @@ def _scale_grid(rows: int, cols: int, block_size: Sequence[int]) -> tuple[int, i
     return cdiv(rows, block_size[0]), cdiv(cols, block_size[1])
 
 
+def _fixed(name: str) -> property:
+    """A construction argument that shapes the weights: set once by ``__init__``, then
+    read-only (a new value would not match the weights; ``block_size`` reads as a copy)."""
+    attr = "_" + name
+
+    def get(self):
+        value = self.__dict__[attr]
+        return list(value) if isinstance(value, list) else value
+
+    def set(self, value) -> None:
+        if attr in self.__dict__:
+            raise AttributeError(f"{name}: fixed at construction ({self.__dict__[attr]}, the weights' layout); "
+                                 f"build a new {type(self).__name__} for another")
+        self.__dict__[attr] = value
+
+    return property(get, set, doc=f"``{name}``, fixed at construction.")
+
+
 def _check_activations(name: str, x: object, last_dim: int, last_dim_name: str) -> None:
     if not isinstance(x, torch.Tensor):
         fail(TypeError, name, "a Tensor", type(x).__name__)
@@ -59,8 +79,8 @@ def _check_activations(name: str, x: object, last_dim: int, last_dim_name: str) 
 
 class _CheckedStateDict:
     """``load_state_dict`` refuses a parameter of another dtype or shape (nn.Module
-    would cast a float weight to fp8 silently) with a ``TypeError`` / ``ValueError``
-    naming the key."""
+    would cast a float weight to fp8 silently), and scales that are not finite and
+    positive, with a ``TypeError`` / ``ValueError`` naming the key."""
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
@@ -76,6 +96,8 @@ class _CheckedStateDict:
             if value.shape != param.shape:
                 fail(ValueError, key, f"shape {tuple(param.shape)} (that of {type(self).__name__}.{name})",
                      shape_str(value))
+            if name.endswith(("_scale_inv", "activation_scale")) and value.device.type != "meta":
+                check_scale_values(key, value)  # once per load; a forward on CUDA checks no values
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
 
@@ -99,6 +121,8 @@ class FP8Linear(_CheckedStateDict, nn.Module):
     ``forward`` takes (..., in_features) in bf16/fp16/fp32 and returns (..., out_features)
     in the same dtype.
     """
+
+    in_features, out_features, block_size = _fixed("in_features"), _fixed("out_features"), _fixed("block_size")
 
     def __init__(self, in_features: int, out_features: int, block_size: Sequence[int] = (128, 128),
                  activation_scheme: str = "dynamic", scale_dtype: torch.dtype = torch.float32,
@@ -188,6 +212,8 @@ class FP8Experts(_CheckedStateDict, nn.Module):
     """
 
     _STATIC_SCALES = ("gate_up_proj_activation_scale", "down_proj_activation_scale")
+    num_experts, hidden_size = _fixed("num_experts"), _fixed("hidden_size")
+    intermediate_size, block_size = _fixed("intermediate_size"), _fixed("block_size")
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
                  block_size: Sequence[int] = (128, 128), activation: str = "silu",
@@ -200,8 +226,7 @@ class FP8Experts(_CheckedStateDict, nn.Module):
         self.block_size = [int(b) for b in check_block_size(block_size)]
         check_choice("activation_scheme", activation_scheme, SCHEMES)
         check_scale_dtype(scale_dtype)
-        self.activation, self.dispatch = activation, dispatch
-        self.swiglu_limit = check_swiglu_limit(swiglu_limit)
+        self.activation, self.dispatch, self.swiglu_limit = activation, dispatch, swiglu_limit
         fp8 = torch.float8_e4m3fn
         self.gate_up_proj = _frozen(torch.zeros(E, 2 * I, H, dtype=fp8, device=device))
         self.gate_up_proj_scale_inv = _frozen(torch.ones(E, *_scale_grid(2 * I, H, self.block_size), device=device).to(scale_dtype))
@@ -228,6 +253,14 @@ class FP8Experts(_CheckedStateDict, nn.Module):
     @activation.setter
     def activation(self, value: str) -> None:
         self._activation = check_choice("activation", value, ACTIVATIONS)
+
+    @property
+    def swiglu_limit(self) -> float | None:
+        return self._swiglu_limit
+
+    @swiglu_limit.setter
+    def swiglu_limit(self, value: float | None) -> None:
+        self._swiglu_limit = check_swiglu_limit(value)
 
     @property
     def activation_scheme(self) -> str:

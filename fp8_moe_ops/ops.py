@@ -28,7 +28,8 @@ from typing import NamedTuple
 import torch
 
 from . import reference
-from ._checks import SCALE_DTYPES, check_block_size, fail, keep_newest, meta_key, metadata_guard, shape_str
+from ._checks import (SCALE_DTYPES, check_block_size, check_scale_values, fail, keep_newest, meta_key, metadata_guard,
+                      shape_str)
 from .functional import ACTIVATIONS, cdiv
 
 _ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -202,15 +203,6 @@ def check_experts(hidden, top_k_index, top_k_weights, gate_up_proj, gate_up_scal
     )
 
 
-def _check_scale_values(name: str, s: torch.Tensor | None) -> None:
-    """Value checks (CPU only: on CUDA they would cost a device sync per call)."""
-    if s is None or s.numel() == 0:
-        return
-    sf = s.float()
-    if not bool(torch.isfinite(sf).all()) or bool((sf <= 0).any()):
-        fail(ValueError, name, "finite positive scales", f"min {sf.min().item()}, max {sf.max().item()}")
-
-
 def _check_offsets_values(offsets: torch.Tensor, rows: int) -> None:
     if offsets.numel() == 0:
         return
@@ -247,8 +239,8 @@ def _gemm_op(name: str, schema: str, check, ref_fn):
         a = bound.arguments
         if "offsets" in a:
             _check_offsets_values(a["offsets"], a["x"].shape[0])
-        _check_scale_values("w_scale_inv", a["w_scale_inv"])
-        _check_scale_values("act_scale", a["act_scale"])
+        check_scale_values("w_scale_inv", a["w_scale_inv"])
+        check_scale_values("act_scale", a["act_scale"])
         return ref_fn(*bound.args)
 
     op = torch.library.custom_op(f"fp8_moe::{name}", cpu_impl, mutates_args=(), schema=schema)
@@ -272,10 +264,10 @@ batched_mm = _gemm_op("batched_mm", BATCHED_MM_SCHEMA, check_batched_mm, referen
 
 
 def _check_experts_values(gate_up_scale_inv, down_scale_inv, gate_up_act_scale, down_act_scale) -> None:
-    _check_scale_values("gate_up_scale_inv", gate_up_scale_inv)
-    _check_scale_values("down_scale_inv", down_scale_inv)
-    _check_scale_values("gate_up_act_scale", gate_up_act_scale)
-    _check_scale_values("down_act_scale", down_act_scale)
+    check_scale_values("gate_up_scale_inv", gate_up_scale_inv)
+    check_scale_values("down_scale_inv", down_scale_inv)
+    check_scale_values("gate_up_act_scale", gate_up_act_scale)
+    check_scale_values("down_act_scale", down_act_scale)
 
 
 _LIB = torch.library.Library("fp8_moe", "FRAGMENT")  # the experts ops (kept alive: it owns the registrations)
@@ -466,9 +458,9 @@ def check_experts_list(hidden, top_k_index, top_k_weights, gate_up_proj, gate_up
 def _check_experts_list_values(gate_up_scale_inv, down_scale_inv, gate_up_act_scale, down_act_scale) -> None:
     for name, scales in (("gate_up_scale_inv", gate_up_scale_inv), ("down_scale_inv", down_scale_inv)):
         for i, s in enumerate(scales):
-            _check_scale_values(f"{name}[{i}]", s)
-    _check_scale_values("gate_up_act_scale", gate_up_act_scale)
-    _check_scale_values("down_act_scale", down_act_scale)
+            check_scale_values(f"{name}[{i}]", s)
+    check_scale_values("gate_up_act_scale", gate_up_act_scale)
+    check_scale_values("down_act_scale", down_act_scale)
 
 
 class ListChecks:

@@ -233,18 +233,36 @@ def test_public_api_bad_input(build, exc, match):
         build()
 
 
-@pytest.mark.parametrize("name,value,match", [
-    ("dispatch", "group", r"dispatch: expected one of \('eager', 'grouped', 'batched'\), got 'group'"),
-    ("activation", "gelu_erf", "activation: expected one of"),
-    ("activation_scheme", "statik", "activation_scheme: expected one of"),
+@pytest.mark.parametrize("name,value,exc,match", [
+    ("dispatch", "group", ValueError, r"dispatch: expected one of \('eager', 'grouped', 'batched'\), got 'group'"),
+    ("activation", "gelu_erf", ValueError, "activation: expected one of"),
+    ("activation_scheme", "statik", ValueError, "activation_scheme: expected one of"),
     # static needs calibrated scales first: calibrate_static_scales sets them
-    ("activation_scheme", "static", "activation_scheme: expected 'dynamic' until the static scales"),
+    ("activation_scheme", "static", ValueError, "activation_scheme: expected 'dynamic' until the static scales"),
+    # the eager loop used to run with these (a negative limit clamped every gate)
+    ("swiglu_limit", -5.0, ValueError, "swiglu_limit: expected None or a positive float, got -5.0"),
+    ("swiglu_limit", "7", TypeError, "swiglu_limit: expected None or a positive float, got '7'"),
+    # what shapes the weights is fixed (the eager loop ran over the first 3 experts of 4)
+    ("num_experts", 3, AttributeError, r"num_experts: fixed at construction \(3, the weights' layout\)"),
+    ("hidden_size", 32, AttributeError, "hidden_size: fixed at construction"),
+    ("intermediate_size", 8, AttributeError, "intermediate_size: fixed at construction"),
+    ("block_size", [16, 16], AttributeError, r"block_size: fixed at construction \(\[32, 32\], "),
 ])
-def test_setting_an_unknown_value_raises_at_once(name, value, match):
+def test_setting_an_unknown_value_raises_at_once(name, value, exc, match):
     m = _experts("grouped")
-    with pytest.raises(ValueError, match=match):
+    before = getattr(m, name)
+    with pytest.raises(exc, match=match):
         setattr(m, name, value)
-    assert getattr(m, name) == {"dispatch": "grouped", "activation": "silu", "activation_scheme": "dynamic"}[name]
+    assert getattr(m, name) == before
+
+
+def test_fixed_sizes_of_a_linear_and_block_size_copies():
+    lin = fp8_moe_ops.FP8Linear(16, 8, block_size=(8, 8))
+    for name in ("in_features", "out_features", "block_size"):
+        with pytest.raises(AttributeError, match=f"{name}: fixed at construction .* build a new FP8Linear"):
+            setattr(lin, name, 4)
+    lin.block_size[0] = 4  # a copy: the module keeps its own
+    assert lin.block_size == [8, 8]
 
 
 def test_linear_scheme_needs_its_scale():
@@ -258,6 +276,10 @@ def test_linear_scheme_needs_its_scale():
      "gate_up_proj: expected dtype torch.float8_e4m3fn .*, got torch.float32"),
     ("gate_up_proj_scale_inv", lambda t: t.to(torch.float8_e8m0fnu), TypeError, "gate_up_proj_scale_inv: expected dtype"),
     ("down_proj", lambda t: t[:, :, :8], ValueError, r"down_proj: expected shape \(3, 64, 16\)"),
+    # scales a forward on CUDA would use unchecked (it checks no values)
+    ("down_proj_scale_inv", lambda t: -t, ValueError, "down_proj_scale_inv: expected finite positive scales"),
+    ("gate_up_proj_scale_inv", lambda t: t.index_fill(0, torch.tensor([1]), float("nan")), ValueError,
+     "gate_up_proj_scale_inv: expected finite positive scales, got min nan"),
 ])
 def test_load_state_dict_rejects_wrong_dtype_or_shape_naming_the_key(key, value, exc, match):
     m = _experts()
@@ -265,6 +287,16 @@ def test_load_state_dict_rejects_wrong_dtype_or_shape_naming_the_key(key, value,
     sd[key] = value(sd[key])
     with pytest.raises(exc, match=match):
         m.load_state_dict(sd)
+
+
+def test_load_state_dict_checks_a_static_scale():
+    model = nn.Sequential(fp8_moe_ops.FP8Linear(16, 8, activation_scheme="static"))
+    sd = model.state_dict()
+    sd["0.activation_scale"] = torch.zeros(1)
+    with pytest.raises(ValueError, match=r"0\.activation_scale: expected finite positive scales, got min 0.0"):
+        model.load_state_dict(sd)
+    model.load_state_dict({**sd, "0.activation_scale": torch.full((1,), 0.5)})
+    assert model[0].activation_scale.item() == 0.5
 
 
 def test_load_state_dict_names_the_prefixed_key():
