@@ -403,6 +403,14 @@ def test_experts_split_k_down(case, static, split, rows, monkeypatch):
     assert none.any() == (case == "sentinels") and torch.equal(out[none], torch.zeros_like(out[none]))
 
 
+@pytest.mark.parametrize("dynamic", ["gate_up_act_scale", "down_act_scale"])
+def test_experts_with_one_static_scale(dynamic):
+    # one GEMM's input static, the other's dynamic (the scale left out)
+    args, kw = _experts_args("sentinels", torch.bfloat16, torch.float32, True, seed=2)
+    del kw[dynamic]
+    _check_experts(args, kw)
+
+
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
 def test_experts_every_slot_a_sentinel(static):
     # no expert gets a row: the down GEMM has no row tile to count, and its first tail

@@ -138,6 +138,25 @@ def test_experts_dispatches_agree(T, E, H, I, k, block, routing, static, scale_d
         assert rel_err(grouped, experts_float64(**args)) < REL_BOUND[torch.bfloat16]
 
 
+@pytest.mark.parametrize("which", ["gate_up_act_scale", "down_act_scale"])
+def test_experts_one_static_scale_quantises_its_own_gemm_only(which):
+    # each GEMM's input follows its own scale: static where given, dynamic where None
+    args = make_experts_inputs(9, 5, 96, 48, 2, [32, 32], static=True, routing="uniform")
+    both = OPS.grouped_experts(**args)
+    mixed = OPS.grouped_experts(**{**args, which: None})
+    none = OPS.grouped_experts(**{**args, "gate_up_act_scale": None, "down_act_scale": None})
+    mod = fp8_moe_ops.FP8Experts(5, 96, 48, [32, 32], activation_scheme="static")
+    mod.gate_up_proj.data, mod.gate_up_proj_scale_inv.data = args["gate_up_proj"], args["gate_up_scale_inv"]
+    mod.down_proj.data, mod.down_proj_scale_inv.data = args["down_proj"], args["down_scale_inv"]
+    mod.gate_up_proj_activation_scale.data = args["gate_up_act_scale"]
+    mod.down_proj_activation_scale.data = args["down_act_scale"]
+    setattr(mod, {"gate_up_act_scale": "gate_up_proj_activation_scale",
+                  "down_act_scale": "down_proj_activation_scale"}[which], None)  # the eager loop's None: dynamic
+    assert_agree(mixed, mod(args["hidden"], args["top_k_index"], args["top_k_weights"]))
+    assert not torch.equal(mixed, both) and not torch.equal(mixed, none)
+    assert OPS.batched_experts(**{**args, which: None}).equal(mixed)
+
+
 @pytest.mark.parametrize("activation", ["silu", "gelu", "gelu_tanh", "relu"])
 @pytest.mark.parametrize("swiglu_limit", [None, 0.05])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
