@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from ._checks import check_swiglu_limit
 from .routing import combine, sort_slots
 
 __all__ = ["ACTIVATIONS", "FP8_MAX", "cdiv", "gated_activation", "grouped_pipeline", "batched_pipeline"]
@@ -47,6 +48,12 @@ def gated_activation(h: torch.Tensor, activation: str, swiglu_limit: float | Non
     fn = _ACT_FNS.get(activation)
     if fn is None:
         raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {activation!r}")
+    if not isinstance(h, torch.Tensor) or not h.is_floating_point():
+        got = h.dtype if isinstance(h, torch.Tensor) else type(h).__name__
+        raise TypeError(f"h: expected a float tensor (the gate_up product), got {got}")
+    if h.dim() < 1 or h.shape[-1] % 2:
+        raise ValueError(f"h: expected shape (..., 2I) (I gate columns, then I up columns), got shape {tuple(h.shape)}")
+    check_swiglu_limit(swiglu_limit)
     # chunk the float32 copy (not float32 copies of the halves): on CPU, vectorised
     # exp/erf give a result whose last bit depends on the memory layout, and the CPU
     # implementation of the ops computes on views of one float32 tensor

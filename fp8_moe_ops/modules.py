@@ -34,7 +34,7 @@ from ._checks import (
     shape_str,
 )
 from .functional import ACTIVATIONS, cdiv, gated_activation
-from .quantization import quantize_weight
+from .quantization import quantize_named
 
 SCHEMES = ("dynamic", "static")
 DISPATCHES = ("eager", "grouped", "batched")
@@ -163,7 +163,7 @@ class FP8Linear(_CheckedStateDict, nn.Module):
         w = linear.weight.detach()
         mod = cls(linear.in_features, linear.out_features, block_size, "dynamic", scale_dtype,
                   bias=linear.bias is not None, device=w.device)
-        q, s = quantize_weight(w, block_size, scale_dtype)
+        q, s = quantize_named(w, block_size, scale_dtype, "linear.weight")
         mod.weight.data, mod.weight_scale_inv.data = q, s
         if linear.bias is not None:
             mod.bias.data = linear.bias.detach().to(w.dtype).clone()
@@ -171,6 +171,8 @@ class FP8Linear(_CheckedStateDict, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_activations("x", x, self.in_features, "in_features")
+        if x.device != self.weight.device:
+            fail(ValueError, "x", f"a tensor on {self.weight.device} (the device of the weights)", x.device)
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         if self._observer is not None:
             self._observer.copy_(torch.maximum(self._observer, x2.detach().float().abs().amax()))
@@ -291,8 +293,10 @@ class FP8Experts(_CheckedStateDict, nn.Module):
             fail(ValueError, "down_proj", f"shape {(E, H, two_i // 2)} (E, H, I from gate_up_proj)", shape_str(down_proj))
         mod = cls(E, H, two_i // 2, block_size, activation, "dynamic", dispatch, scale_dtype, swiglu_limit,
                   device=gate_up_proj.device)
-        mod.gate_up_proj.data, mod.gate_up_proj_scale_inv.data = quantize_weight(gate_up_proj, block_size, scale_dtype)
-        mod.down_proj.data, mod.down_proj_scale_inv.data = quantize_weight(down_proj, block_size, scale_dtype)
+        mod.gate_up_proj.data, mod.gate_up_proj_scale_inv.data = quantize_named(gate_up_proj, block_size, scale_dtype,
+                                                                                "gate_up_proj")
+        mod.down_proj.data, mod.down_proj_scale_inv.data = quantize_named(down_proj, block_size, scale_dtype,
+                                                                          "down_proj")
         return mod
 
     def _tensor(self, name: str) -> torch.Tensor | None:

@@ -168,23 +168,12 @@ class ExpertParallel(nn.Module):
         return torch.ops.fp8_moe.grouped_experts(x, local_ids[:, None], ones, *self.local_experts.expert_weights())
 
     def _check(self, hidden_states, top_k_index, top_k_weights) -> None:
-        H = self.local_experts.hidden_size
-        if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 2 or hidden_states.shape[1] != H:
-            got = tuple(hidden_states.shape) if isinstance(hidden_states, torch.Tensor) else type(hidden_states)
-            raise ValueError(f"hidden_states: expected a 2-D (T, {H}) tensor, got {got}")
-        if hidden_states.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-            raise TypeError(f"hidden_states: expected bfloat16/float16/float32, got {hidden_states.dtype}")
-        T = hidden_states.shape[0]
-        if not isinstance(top_k_index, torch.Tensor) or top_k_index.dim() != 2 or top_k_index.shape[0] != T:
-            got = tuple(top_k_index.shape) if isinstance(top_k_index, torch.Tensor) else type(top_k_index)
-            raise ValueError(f"top_k_index: expected a 2-D ({T}, k) tensor, got {got}")
-        if top_k_index.dtype.is_floating_point or top_k_index.dtype == torch.bool or top_k_index.is_complex():
-            raise TypeError(f"top_k_index: expected an integer tensor, got {top_k_index.dtype}")
-        if not isinstance(top_k_weights, torch.Tensor) or top_k_weights.shape != top_k_index.shape:
-            got = tuple(top_k_weights.shape) if isinstance(top_k_weights, torch.Tensor) else type(top_k_weights)
-            raise ValueError(f"top_k_weights: expected shape {tuple(top_k_index.shape)}, got {got}")
-        if not top_k_weights.is_floating_point():
-            raise TypeError(f"top_k_weights: expected a float tensor, got {top_k_weights.dtype}")
+        """The checks of ``FP8Experts.forward`` (dtypes, shapes, top_k >= 1, the local
+        experts' device), for 2-D hidden states."""
+        if isinstance(hidden_states, torch.Tensor) and hidden_states.dim() != 2:
+            H = self.local_experts.hidden_size
+            raise ValueError(f"hidden_states: expected a 2-D (T, {H}) tensor, got shape {tuple(hidden_states.shape)}")
+        self.local_experts._check_inputs(hidden_states, top_k_index, top_k_weights)
 
     def extra_repr(self) -> str:
         return f"num_experts={self.num_experts}, rank={self.rank}, world_size={self.world_size}"

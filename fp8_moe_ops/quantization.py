@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from . import reference
-from ._checks import check_block_size, check_scale_dtype
+from ._checks import check_block_size, check_scale_dtype, fail, shape_str
 
 
 def quantize_weight(
@@ -30,14 +30,23 @@ def quantize_weight(
         (..., ceil(N/bn), ceil(K/bk)) of ``scale_dtype``; the real weight is
         ``w_fp8.float() * scale_inv`` of its block.
     """
+    return quantize_named(w, block_size, scale_dtype, "w")
+
+
+def quantize_named(w: torch.Tensor, block_size: Sequence[int] | None, scale_dtype: torch.dtype,
+                   name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize_weight`, its errors naming the weight ``name`` (the caller's
+    argument: ``gate_up_proj``, ``linear.weight``)."""
     if not isinstance(w, torch.Tensor):
-        raise TypeError(f"w: expected a Tensor, got {type(w).__name__}")
+        fail(TypeError, name, "a Tensor", type(w).__name__)
     if not w.is_floating_point() or w.dtype in (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu):
-        raise TypeError(f"w: expected a float32/bfloat16/float16 tensor, got {w.dtype}")
+        fail(TypeError, name, "a float32/bfloat16/float16 tensor", w.dtype)
     if w.dim() not in (2, 3):
-        raise ValueError(f"w: expected a 2-D (N, K) or 3-D (E, N, K) tensor, got shape {tuple(w.shape)}")
+        fail(ValueError, name, "a 2-D (N, K) or 3-D (E, N, K) tensor", shape_str(w))
+    if w.device.type == "meta":
+        fail(ValueError, name, "a tensor with values to quantise", "a tensor on the meta device")
     block_size = w.shape[-2:] if block_size is None else check_block_size(block_size)
     check_scale_dtype(scale_dtype)
     if not bool(torch.isfinite(w).all()):
-        raise ValueError("w: expected finite values, got NaN or Inf")
+        fail(ValueError, name, "finite values", "NaN or Inf")
     return reference.quantize_weight_blockwise(w, tuple(int(b) for b in block_size), scale_dtype)

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 import fp8_moe_ops
+from fp8_moe_ops.functional import gated_activation
 from helpers import make_expert_weights, make_experts_inputs
 
 OPS = torch.ops.fp8_moe
@@ -220,8 +221,20 @@ CONSTRUCT_BAD = [
     (lambda: fp8_moe_ops.FP8Linear(16, 8, bias=1), TypeError, "bias: expected a bool"),
     (lambda: fp8_moe_ops.FP8Linear.from_float(nn.Conv1d(2, 2, 1)), TypeError, "linear: expected an nn.Linear"),
     (lambda: fp8_moe_ops.FP8Linear(16, 8)(torch.randn(3, 15)), ValueError, r"x: expected shape \(..., 16\)"),
+    (lambda: fp8_moe_ops.FP8Linear(16, 8)(torch.randn(3, 16, device="meta")), ValueError,
+     "x: expected a tensor on cpu \\(the device of the weights\\), got meta"),
+    # from_float names the weight at fault, not quantize_weight's w
+    (lambda: fp8_moe_ops.FP8Experts.from_float(torch.randn(2, 8, 16), torch.full((2, 16, 4), float("nan"))),
+     ValueError, "down_proj: expected finite values, got NaN or Inf"),
+    (lambda: fp8_moe_ops.FP8Experts.from_float(torch.ones(2, 8, 16, dtype=torch.int64), torch.randn(2, 16, 4)),
+     TypeError, "gate_up_proj: expected a float32/bfloat16/float16 tensor, got torch.int64"),
+    (lambda: fp8_moe_ops.FP8Linear.from_float(nn.Linear(16, 8, device="meta")), ValueError,
+     "linear.weight: expected a tensor with values to quantise, got a tensor on the meta device"),
     (lambda: fp8_moe_ops.quantize_weight(torch.randn(8, 16), scale_dtype=torch.bfloat16), TypeError, "scale_dtype"),
     (lambda: fp8_moe_ops.calibrate_static_scales("model", []), TypeError, "model: expected an nn.Module"),
+    (lambda: gated_activation(torch.randn(2, 3), "silu"), ValueError, r"h: expected shape \(\.\.\., 2I\)"),
+    (lambda: gated_activation(torch.ones(2, 4, dtype=torch.int64), "silu"), TypeError, "h: expected a float tensor"),
+    (lambda: gated_activation(torch.randn(2, 4), "silu", -1.0), ValueError, "swiglu_limit: expected None or a positive"),
     (lambda: fp8_moe_ops.calibrate_static_scales(_experts(), []), ValueError, "calibration_batches"),
     (lambda: fp8_moe_ops.convert_linears([nn.Linear(2, 2)]), TypeError, "model: expected an nn.Module"),
 ]

@@ -166,6 +166,15 @@ def test_single_process_group(tmp_path):
             ep(hidden, idx, idx)
         with pytest.raises(TypeError, match="hidden_states"):
             ep(hidden.long(), idx, weights)
+        # as FP8Experts.forward: int32 / int64 ids, float routing weights, top_k >= 1
+        with pytest.raises(TypeError, match=r"top_k_index: expected dtype torch.int32 or torch.int64 .*int16"):
+            ep(hidden, idx.to(torch.int16), weights)
+        with pytest.raises(TypeError, match="top_k_weights: expected dtype bfloat16, float16 or float32"):
+            ep(hidden, idx, weights.double())
+        with pytest.raises(ValueError, match=r"top_k_index: expected shape .* top_k >= 1"):
+            ep(hidden, idx[:, :0], weights[:, :0])
+        with pytest.raises(ValueError, match="hidden_states: expected a 2-D"):
+            ep(hidden[None], idx[None], weights[None])
     finally:
         dist.destroy_process_group()
 
