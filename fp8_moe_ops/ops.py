@@ -81,12 +81,10 @@ def _check_weight(name: str, w: torch.Tensor, scale_name: str, scale: torch.Tens
     grid = (cdiv(N, bn), cdiv(K, bk))
     lead = tuple(w.shape[:-2])
     if tuple(scale.shape) not in (lead + grid, lead + (1, 1)):
-        fail(
-            ValueError, scale_name,
-            f"shape {lead + grid} (ceil of {name} (N, K) = {(N, K)} by block_size {[bn, bk]}) "
-            f"or {lead + (1, 1)} (one scale per matrix)",
-            shape_str(scale),
-        )
+        per_matrix = "" if grid == (1, 1) else f" or {lead + (1, 1)} (one scale per matrix)"
+        fail(ValueError, scale_name,
+             f"shape {lead + grid} (ceil of {name} (N, K) = {(N, K)} by block_size {[bn, bk]}){per_matrix}",
+             shape_str(scale))
 
 
 def _check_out_dtype(out_dtype: torch.dtype | None) -> None:

@@ -26,6 +26,8 @@ LINEAR_BAD = [
     (dict(w_scale_inv=torch.ones(2, 3, dtype=torch.float16)), TypeError, "w_scale_inv: expected dtype"),
     (dict(w_scale_inv=torch.ones(2, 2)), ValueError, r"w_scale_inv: expected shape \(2, 3\)"),  # grid mismatch
     (dict(block_size=[64, 32]), ValueError, r"w_scale_inv: expected shape \(1, 3\)"),     # block vs grid
+    # a one-block grid is the per-matrix one: named once
+    (dict(block_size=[64, 96]), ValueError, r"w_scale_inv: expected shape \(1, 1\) \(ceil .* \[64, 96\]\), got"),
     (dict(block_size=[32]), ValueError, r"block_size: expected a pair \(bn, bk\) of positive ints, got \[32\]"),
     (dict(block_size=[0, 32]), ValueError, r"block_size: expected a pair \(bn, bk\) of positive ints, got \[0, 32\]"),
     (dict(act_scale=torch.ones(2)), ValueError, "act_scale: expected one element"),
