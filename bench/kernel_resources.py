@@ -47,7 +47,7 @@ _TYPES = {torch.float8_e4m3fn: "*fp8e4nv", torch.float32: "*fp32", torch.bfloat1
 def resources(call) -> dict:
     """``call`` (a :class:`~fp8_moe_ops.kernels.launch.KernelCall`) compiled for sm_90a:
     its name, registers per thread, spilled bytes (stores + loads), shared memory bytes,
-    warps."""
+    warps, and :func:`sass_counts`."""
     fn = call.kernel
     runtime = [n for n in fn.arg_names if n not in call.constexprs]
     constexprs, sig, divisible = dict(call.constexprs), {}, set()
@@ -75,11 +75,10 @@ def resources(call) -> dict:
         ptx = os.path.join(tmp, "k.ptx")
         with open(ptx, "w") as f:
             f.write(compiled.asm["ptx"])
-        ptxas = triton.knobs.nvidia.ptxas.path
         cubin = os.path.join(tmp, "k.cubin")
-        report = subprocess.run([ptxas, f"-arch=sm_{TARGET.arch}a", "-v", ptx, "-o", cubin],
+        report = subprocess.run([triton.knobs.nvidia.ptxas.path, f"-arch=sm_{TARGET.arch}a", "-v", ptx, "-o", cubin],
                                 capture_output=True, text=True, check=True).stderr
-        sass = subprocess.run([os.path.join(os.path.dirname(ptxas), "cuobjdump"), "-sass", cubin],
+        sass = subprocess.run([triton.knobs.nvidia.cuobjdump.path, "-sass", cubin],
                               capture_output=True, text=True, check=True).stdout
     regs = int(re.findall(r"Used (\d+) registers", report)[-1])
     spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", report))

@@ -52,18 +52,24 @@ def _scale_grid(rows: int, cols: int, block_size: Sequence[int]) -> tuple[int, i
 
 def _fixed(name: str) -> property:
     """A construction argument that shapes the weights: set once by ``__init__``, then
-    read-only (a new value would not match the weights; ``block_size`` reads as a copy)."""
+    read-only (a new value would not match the weights; ``block_size`` reads as a copy,
+    the module's own code reads ``_block_size``)."""
     attr = "_" + name
 
     def get(self):
-        value = self.__dict__[attr]
+        try:
+            value = self.__dict__[attr]
+        except KeyError:
+            raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'") from None
         return list(value) if isinstance(value, list) else value
 
     def set(self, value) -> None:
-        if attr in self.__dict__:
-            raise AttributeError(f"{name}: fixed at construction ({self.__dict__[attr]}, the weights' layout); "
-                                 f"build a new {type(self).__name__} for another")
-        self.__dict__[attr] = value
+        current = self.__dict__.get(attr)
+        if current is None:
+            self.__dict__[attr] = value
+        elif (list(value) if isinstance(value, (list, tuple)) else value) != current:
+            fail(AttributeError, name, f"{current} (fixed at construction by the weights' layout; build a new "
+                 f"{type(self).__name__} for another)", repr(value))
 
     return property(get, set, doc=f"``{name}``, fixed at construction.")
 
@@ -80,7 +86,16 @@ def _check_activations(name: str, x: object, last_dim: int, last_dim_name: str) 
 class _CheckedStateDict:
     """``load_state_dict`` refuses a parameter of another dtype or shape (nn.Module
     would cast a float weight to fp8 silently), and scales that are not finite and
-    positive, with a ``TypeError`` / ``ValueError`` naming the key."""
+    positive, with a ``TypeError`` / ``ValueError`` naming the key.  A module pickled
+    whole (``torch.save(module)``) before its settings became properties loads too."""
+
+    _PROPERTIES: tuple[str, ...] = ()  # settings stored as ``_<name>`` behind a property since 2026-12-04
+
+    def __setstate__(self, state: dict) -> None:
+        for name in self._PROPERTIES:
+            if name in state and "_" + name not in state:
+                state["_" + name] = state.pop(name)
+        super().__setstate__(state)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
@@ -123,6 +138,7 @@ class FP8Linear(_CheckedStateDict, nn.Module):
     """
 
     in_features, out_features, block_size = _fixed("in_features"), _fixed("out_features"), _fixed("block_size")
+    _PROPERTIES = ("in_features", "out_features", "block_size")
 
     def __init__(self, in_features: int, out_features: int, block_size: Sequence[int] = (128, 128),
                  activation_scheme: str = "dynamic", scale_dtype: torch.dtype = torch.float32,
@@ -171,13 +187,16 @@ class FP8Linear(_CheckedStateDict, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_activations("x", x, self.in_features, "in_features")
-        if x.device != self.weight.device:
-            fail(ValueError, "x", f"a tensor on {self.weight.device} (the device of the weights)", x.device)
+        weight = self._parameters.get("weight")
+        if weight is None:  # parametrised: the usual lookup
+            weight = self.weight
+        if x.device != weight.device:
+            fail(ValueError, "x", f"a tensor on {weight.device} (the device of the weights)", x.device)
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         if self._observer is not None:
             self._observer.copy_(torch.maximum(self._observer, x2.detach().float().abs().amax()))
         act_scale = self.activation_scale if self.activation_scheme == "static" else None
-        y = torch.ops.fp8_moe.linear(x2, self.weight, self.weight_scale_inv, self.block_size, act_scale)
+        y = torch.ops.fp8_moe.linear(x2, weight, self.weight_scale_inv, self._block_size, act_scale)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
@@ -216,6 +235,7 @@ class FP8Experts(_CheckedStateDict, nn.Module):
     _STATIC_SCALES = ("gate_up_proj_activation_scale", "down_proj_activation_scale")
     num_experts, hidden_size = _fixed("num_experts"), _fixed("hidden_size")
     intermediate_size, block_size = _fixed("intermediate_size"), _fixed("block_size")
+    _PROPERTIES = ("num_experts", "hidden_size", "intermediate_size", "block_size", "swiglu_limit")
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
                  block_size: Sequence[int] = (128, 128), activation: str = "silu",
@@ -312,7 +332,7 @@ class FP8Experts(_CheckedStateDict, nn.Module):
         get = self._tensor
         return ops.ExpertWeights(
             get("gate_up_proj"), get("gate_up_proj_scale_inv"), get("down_proj"), get("down_proj_scale_inv"),
-            self.block_size, self.activation,
+            self._block_size, self.activation,
             get("gate_up_proj_activation_scale") if static else None,
             get("down_proj_activation_scale") if static else None,
             self.swiglu_limit)
@@ -387,10 +407,10 @@ class FP8Experts(_CheckedStateDict, nn.Module):
         for e in range(self.num_experts):
             tok, pos = torch.where(top_k_index == e)
             x = hidden_states[tok]
-            h = torch.ops.fp8_moe.linear(x, self.gate_up_proj[e], self.gate_up_proj_scale_inv[e], self.block_size,
+            h = torch.ops.fp8_moe.linear(x, self.gate_up_proj[e], self.gate_up_proj_scale_inv[e], self._block_size,
                                          None if gu_scale is None else gu_scale[e])
             a = gated_activation(h, self.activation, self.swiglu_limit)
-            y = torch.ops.fp8_moe.linear(a, self.down_proj[e], self.down_proj_scale_inv[e], self.block_size,
+            y = torch.ops.fp8_moe.linear(a, self.down_proj[e], self.down_proj_scale_inv[e], self._block_size,
                                          None if down_scale is None else down_scale[e])
             out.index_add_(0, tok, y.float() * top_k_weights[tok, pos, None].float())
             if self._observer is not None:

@@ -43,10 +43,10 @@ def quantize_named(w: torch.Tensor, block_size: Sequence[int] | None, scale_dtyp
         fail(TypeError, name, "a float32/bfloat16/float16 tensor", w.dtype)
     if w.dim() not in (2, 3):
         fail(ValueError, name, "a 2-D (N, K) or 3-D (E, N, K) tensor", shape_str(w))
-    if w.device.type == "meta":
-        fail(ValueError, name, "a tensor with values to quantise", "a tensor on the meta device")
     block_size = w.shape[-2:] if block_size is None else check_block_size(block_size)
     check_scale_dtype(scale_dtype)
+    if w.device.type == "meta":
+        fail(ValueError, name, "a tensor with values to quantise", "a tensor on the meta device")
     if not bool(torch.isfinite(w).all()):
         fail(ValueError, name, "finite values", "NaN or Inf")
     return reference.quantize_weight_blockwise(w, tuple(int(b) for b in block_size), scale_dtype)

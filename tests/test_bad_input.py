@@ -258,10 +258,11 @@ def test_public_api_bad_input(build, exc, match):
     ("swiglu_limit", -5.0, ValueError, "swiglu_limit: expected None or a positive float, got -5.0"),
     ("swiglu_limit", "7", TypeError, "swiglu_limit: expected None or a positive float, got '7'"),
     # what shapes the weights is fixed (the eager loop ran over the first 3 experts of 4)
-    ("num_experts", 3, AttributeError, r"num_experts: fixed at construction \(3, the weights' layout\)"),
-    ("hidden_size", 32, AttributeError, "hidden_size: fixed at construction"),
-    ("intermediate_size", 8, AttributeError, "intermediate_size: fixed at construction"),
-    ("block_size", [16, 16], AttributeError, r"block_size: fixed at construction \(\[32, 32\], "),
+    ("num_experts", 2, AttributeError, r"num_experts: expected 3 \(fixed at construction by the weights' layout; "
+     r"build a new FP8Experts for another\), got 2"),
+    ("hidden_size", 32, AttributeError, "hidden_size: expected 64 .*, got 32"),
+    ("intermediate_size", 8, AttributeError, "intermediate_size: expected 16 .*, got 8"),
+    ("block_size", [16, 16], AttributeError, r"block_size: expected \[32, 32\] .*, got \[16, 16\]"),
 ])
 def test_setting_an_unknown_value_raises_at_once(name, value, exc, match):
     m = _experts("grouped")
@@ -274,10 +275,13 @@ def test_setting_an_unknown_value_raises_at_once(name, value, exc, match):
 def test_fixed_sizes_of_a_linear_and_block_size_copies():
     lin = fp8_moe_ops.FP8Linear(16, 8, block_size=(8, 8))
     for name in ("in_features", "out_features", "block_size"):
-        with pytest.raises(AttributeError, match=f"{name}: fixed at construction .* build a new FP8Linear"):
+        with pytest.raises(AttributeError, match=f"{name}: expected .* build a new FP8Linear for another\\), got 4"):
             setattr(lin, name, 4)
     lin.block_size[0] = 4  # a copy: the module keeps its own
     assert lin.block_size == [8, 8]
+    lin.block_size, lin.in_features = (8, 8), 16  # the values it has: accepted (code that syncs sizes)
+    assert (lin.block_size, lin.in_features) == ([8, 8], 16)
+    assert not hasattr(fp8_moe_ops.FP8Linear.__new__(fp8_moe_ops.FP8Linear), "in_features")  # unset: AttributeError
 
 
 def test_linear_scheme_needs_its_scale():

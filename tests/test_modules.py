@@ -116,6 +116,22 @@ def test_calibration_refuses_nan_or_inf_and_leaves_the_model_dynamic():
     assert model[1].activation_scheme == "dynamic" and model[0].activation_scale is None
 
 
+def test_module_pickled_before_its_settings_became_properties_loads():
+    # torch.save(module) of an earlier version stored the sizes, block_size and
+    # swiglu_limit under their own names
+    gu, dp = _float_experts(E=4, H=64, I=32)
+    m = FP8Experts.from_float(gu, dp, block_size=(32, 32), swiglu_limit=7.0)
+    state = dict(m.__dict__)
+    for name in ("num_experts", "hidden_size", "intermediate_size", "block_size", "swiglu_limit"):
+        state[name] = state.pop("_" + name)
+    old = FP8Experts.__new__(FP8Experts)
+    old.__setstate__(state)
+    assert (old.num_experts, old.block_size, old.swiglu_limit) == (4, [32, 32], 7.0)
+    hidden = torch.randn(3, 64)
+    idx, w = _routing(3, 4, 2)
+    assert torch.equal(old(hidden, idx, w), m(hidden, idx, w))
+
+
 def test_module_argument_errors():
     with pytest.raises(ValueError, match="dispatch: expected one of"):
         FP8Experts(4, 64, 32, dispatch="loop")

@@ -309,6 +309,12 @@ class _Scoped(nn.Module):
             return self.model(**batch)
         return self.model(*batch) if isinstance(batch, (tuple, list)) else self.model(batch)
 
+    def named_modules(self, memo=None, prefix: str = "", remove_duplicate: bool = True):
+        """The targets, by their paths in the model (what calibration errors name)."""
+        paths = {m: name for name, m in self.model.named_modules()}
+        for m in self.targets:
+            yield paths[m], m
+
 
 def quantize_experts(
     model: nn.Module,
