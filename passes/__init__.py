@@ -99,8 +99,19 @@ def _with_ours(current, force_chain: bool):
     return _Chained(current, _PASS)
 
 
+def _in_hook(value) -> bool:
+    if value is _PASS:
+        return True
+    if isinstance(value, (list, tuple)):
+        return any(_in_hook(v) for v in value)
+    return isinstance(value, _Chained) and value.ours is _PASS
+
+
 def is_installed() -> bool:
-    return _state is not None
+    """Whether the next compile runs the pass: installed, and neither the hook nor the
+    Dynamo flag changed since (by code that set them without knowing of it)."""
+    return (_state is not None and _in_hook(getattr(inductor_config, _HOOK))
+            and dynamo_config.capture_dynamic_output_shape_ops)
 
 
 def install(*, _force_chain: bool = False) -> None:
@@ -108,15 +119,24 @@ def install(*, _force_chain: bool = False) -> None:
 
     Adds the pass to ``torch._inductor.config.post_grad_custom_pre_pass`` next to any
     pass already there, and sets ``torch._dynamo.config.capture_dynamic_output_shape_ops``
-    so that ``torch.where(mask)`` in the loop is captured without a graph break.
-    ``_force_chain`` composes as torch 2.11/2.12 must (tests use it on newer torch)."""
+    so that ``torch.where(mask)`` in the loop is captured without a graph break.  If
+    either was changed since an earlier ``install()``, the pass is added again (with a
+    warning).  ``_force_chain`` composes as torch 2.11/2.12 must (tests use it on newer
+    torch)."""
     global _state
-    if _state is not None:
+    if is_installed():
         return
-    before = getattr(inductor_config, _HOOK)
-    ours = _with_ours(before, _force_chain)
+    current = getattr(inductor_config, _HOOK)
+    if _state is None:
+        before, capture = current, dynamo_config.capture_dynamic_output_shape_ops
+    else:
+        log.warning("fp8_moe_ops.passes: %s or capture_dynamic_output_shape_ops was changed since install(); "
+                    "installing again", _HOOK)
+        # uninstall() then restores the hook as changed, without this pass, and the first flag
+        before, capture = (_state[0] if _in_hook(current) else current), _state[2]
+    ours = current if _in_hook(current) else _with_ours(current, _force_chain)
     setattr(inductor_config, _HOOK, ours)
-    _state = (before, ours, dynamo_config.capture_dynamic_output_shape_ops)
+    _state = (before, ours, capture)
     dynamo_config.capture_dynamic_output_shape_ops = True
 
 

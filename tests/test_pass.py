@@ -119,6 +119,28 @@ class TestInstall(TestCase):
         self.assertEqual(dynamo_config.capture_dynamic_output_shape_ops, capture)
         self.assertFalse(passes.is_installed())
 
+    def test_hook_or_flag_changed_after_install_is_not_installed_and_install_repairs_it(self):
+        user = _Recorder()
+        capture = dynamo_config.capture_dynamic_output_shape_ops
+        with inductor_config.patch(post_grad_custom_pre_pass=None):
+            passes.install()
+            inductor_config.post_grad_custom_pre_pass = user  # code that set the hook without knowing of ours
+            self.assertFalse(passes.is_installed())
+            with self.assertLogs("fp8_moe_ops.passes", "WARNING") as logs:
+                passes.install()
+            self.assertIn("installing again", logs.output[0])
+            self.assertTrue(passes.is_installed())
+            hook = inductor_config.post_grad_custom_pre_pass
+            self.assertIs(hook[0] if isinstance(hook, list) else hook.user, user)
+            dynamo_config.capture_dynamic_output_shape_ops = False  # the loop's torch.where would break
+            self.assertFalse(passes.is_installed())
+            with self.assertLogs("fp8_moe_ops.passes", "WARNING"):
+                passes.install()
+            self.assertTrue(passes.is_installed() and dynamo_config.capture_dynamic_output_shape_ops)
+            passes.uninstall()  # the hook as the user left it, the flag as before the first install
+            self.assertIs(inductor_config.post_grad_custom_pre_pass, user)
+        self.assertEqual(dynamo_config.capture_dynamic_output_shape_ops, capture)
+
     def test_enabled_nests(self):
         with passes.enabled():
             with passes.enabled():

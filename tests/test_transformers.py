@@ -363,14 +363,20 @@ def test_quantize_experts_rejects_bad_arguments():
         integration.quantize_experts(torch.nn.Linear(4, 4))
     with pytest.raises(ValueError, match=r"found none \(2 already quantised\)"):
         integration.quantize_experts(integration.quantize_experts(copy.deepcopy(ref)))
-    # a NaN reaching the experts in calibration: the error names them by their path in the model
-    nan_model = copy.deepcopy(ref)
     ids = batches()[0]
+    # one batch, not a list of batches: its rows would have been fed as batches
+    with pytest.raises(TypeError, match=r"calibration_batches: expected an iterable of batches .*, got Tensor"):
+        integration.quantize_experts(copy.deepcopy(ref), "static", ids)
+    # a NaN reaching the experts in calibration: the error names them by their path in the
+    # model, and the model gets its experts back (the call can be retried)
+    nan_model = copy.deepcopy(ref)
+    original = nan_model.model.layers[0].mlp.experts
     with torch.no_grad():
         nan_model.model.embed_tokens.weight[ids[0, 0]] = float("nan")
     with pytest.raises(ValueError, match=r"NaN or Inf in model\.model\.layers\.0\.mlp\.experts \(FP8Experts\)"):
         integration.quantize_experts(nan_model, "static", [ids])
-    assert not any(isinstance(m, FP8Experts) and m.activation_scheme == "static" for m in nan_model.modules())
+    assert nan_model.model.layers[0].mlp.experts is original
+    assert not any(isinstance(m, FP8Experts) for m in nan_model.modules())
     with pytest.raises(NotImplementedError, match="act_fn"):
         integration.quantize_experts(bf16_model(hidden_act="gelu_fast"))
     with pytest.raises(TypeError, match=r"block_size: expected a pair \(bn, bk\) of positive ints, got 128"):

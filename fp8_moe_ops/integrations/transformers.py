@@ -345,7 +345,9 @@ def quantize_experts(
 
     Returns ``model``.  Raises ``NotImplementedError`` naming any expert feature the ops
     cannot express (ungated or biased experts, gpt-oss ``swiglu_alpha``, custom gates,
-    unsupported activations) before changing anything.
+    unsupported activations) before changing anything; where calibration fails (an error
+    in the model's forward, a NaN), the original experts are put back before the error
+    propagates.
     """
     if not isinstance(model, nn.Module):
         fail(TypeError, "model", "an nn.Module", type(model).__name__)
@@ -357,6 +359,10 @@ def quantize_experts(
         raise ValueError("calibration_batches: expected sample batches to calibrate activation_scheme='static', got None")
     if activation_scheme == "dynamic" and calibration_batches is not None:
         raise ValueError("calibration_batches: expected None with activation_scheme='dynamic' (only static scales are calibrated)")
+    if isinstance(calibration_batches, (torch.Tensor, Mapping)):
+        # iterating one batch would feed the model its rows (or its keys) as batches
+        fail(TypeError, "calibration_batches", "an iterable of batches (wrap a single batch in a list: [input_ids])",
+             type(calibration_batches).__name__)
 
     found, already = [], 0
     for parent in model.modules():
@@ -389,10 +395,15 @@ def quantize_experts(
             # Stored (E, H, 2I) / (E, I, H) for ``x @ w``; the ops take (out, in).
             gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
         with torch.no_grad():
-            new = FP8Experts.from_float(gate_up, down, block_size, activation, dispatch, scale_dtype)
+            new_experts.append(FP8Experts.from_float(gate_up, down, block_size, activation, dispatch, scale_dtype))
+    for (parent, name, *_), new in zip(found, new_experts):
         setattr(parent, name, new)
-        new_experts.append(new)
-    logger.info("quantize_experts: %d experts modules quantised (%s, dispatch=%s)", len(found), activation_scheme, dispatch)
     if activation_scheme == "static":
-        calibrate_static_scales(_Scoped(model, new_experts), ((b,) for b in calibration_batches))
+        try:
+            calibrate_static_scales(_Scoped(model, new_experts), ((b,) for b in calibration_batches))
+        except BaseException:
+            for parent, name, child, _ in found:  # the model as it was: the call can be retried
+                setattr(parent, name, child)
+            raise
+    logger.info("quantize_experts: %d experts modules quantised (%s, dispatch=%s)", len(found), activation_scheme, dispatch)
     return model
