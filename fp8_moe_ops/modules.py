@@ -87,9 +87,21 @@ class _CheckedStateDict:
     """``load_state_dict`` refuses a parameter of another dtype or shape (nn.Module
     would cast a float weight to fp8 silently), and scales that are not finite and
     positive, with a ``TypeError`` / ``ValueError`` naming the key.  A module pickled
-    whole (``torch.save(module)``) before its settings became properties loads too."""
+    whole (``torch.save(module)``) before its settings became properties loads too.
+    Dtype casts of a whole model leave the parameters' dtypes alone (:meth:`_apply`)."""
 
     _PROPERTIES: tuple[str, ...] = ()  # settings stored as ``_<name>`` behind a property since 2026-12-04
+
+    def _apply(self, fn, recurse: bool = True):
+        """``model.half()`` / ``model.to(torch.bfloat16)`` cast every floating parameter, the
+        fp8 weights and float32 scales too: here they keep their dtypes (the activations'
+        dtype is the input's) and move devices as asked."""
+
+        def keep_dtype(t: torch.Tensor) -> torch.Tensor:
+            out = fn(t)
+            return out if out.dtype == t.dtype else t.to(out.device)
+
+        return super()._apply(keep_dtype, recurse)
 
     def __setstate__(self, state: dict) -> None:
         for name in self._PROPERTIES:

@@ -132,6 +132,23 @@ def test_module_pickled_before_its_settings_became_properties_loads():
     assert torch.equal(old(hidden, idx, w), m(hidden, idx, w))
 
 
+def test_casting_a_model_keeps_fp8_weights_and_scales():
+    # model.half() / .to(bf16) cast every floating parameter; the fp8 modules keep theirs
+    gu, dp = _float_experts(E=4, H=64, I=32)
+    model = nn.ModuleDict({"experts": FP8Experts.from_float(gu, dp, block_size=(32, 32)),
+                           "linear": FP8Linear.from_float(nn.Linear(64, 64), block_size=(32, 32)), "norm": nn.LayerNorm(64)})
+    dtypes = {n: p.dtype for n, p in model.named_parameters() if not n.startswith("norm")}
+    hidden = torch.randn(3, 64, dtype=torch.float16)
+    idx, w = _routing(3, 4, 2)
+    want = model["experts"](hidden, idx, w), model["linear"](hidden)
+    for cast in (lambda m: m.half(), lambda m: m.to(torch.bfloat16), lambda m: m.to("cpu", torch.float16)):
+        cast(model)
+        assert {n: p.dtype for n, p in model.named_parameters() if not n.startswith("norm")} == dtypes
+        assert torch.equal(model["experts"](hidden, idx, w), want[0])
+        assert torch.equal(model["linear"](hidden), want[1])
+    assert model["norm"].weight.dtype == torch.float16  # other modules cast as asked
+
+
 def test_module_argument_errors():
     with pytest.raises(ValueError, match="dispatch: expected one of"):
         FP8Experts(4, 64, 32, dispatch="loop")
