@@ -149,6 +149,14 @@ def test_casting_a_model_keeps_fp8_weights_and_scales():
     assert model["norm"].weight.dtype == torch.float16  # other modules cast as asked
 
 
+def test_convert_linears_keeps_tied_linears_tied():
+    shared = nn.Linear(64, 64)
+    model = nn.ModuleDict({"a": shared, "b": nn.Sequential(shared, nn.Linear(64, 32))})
+    fp8_moe_ops.convert_linears(model, block_size=(32, 32))
+    assert isinstance(model["a"], FP8Linear) and model["a"] is model["b"][0]
+    assert isinstance(model["b"][1], FP8Linear) and len(list(model.modules())) == 4
+
+
 def test_module_argument_errors():
     with pytest.raises(ValueError, match="dispatch: expected one of"):
         FP8Experts(4, 64, 32, dispatch="loop")

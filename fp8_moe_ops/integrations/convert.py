@@ -93,7 +93,9 @@ def convert_linears(
     A module whose own attribute name (the last part of its qualified name) is exactly one
     of ``skip`` is left in full precision: routers and heads.  ``gate_proj`` is not ``gate``.
 
-    Returns ``model`` (or, when ``model`` itself is a linear layer, its replacement).
+    A linear layer registered under several names (tied) becomes one ``FP8Linear``
+    registered under the same names.  Returns ``model`` (or, when ``model`` itself is a
+    linear layer, its replacement).
     """
     if not isinstance(model, nn.Module):
         fail(TypeError, "model", "an nn.Module", type(model).__name__)
@@ -106,14 +108,17 @@ def convert_linears(
     root = _convert(model, tf_class, block_size, scale_dtype)
     if root is not None:
         return root
-    replaced = 0
+    converted = {}  # a linear layer registered in several places becomes one FP8Linear (shared, as it was)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if name in skip:
                 continue
-            new = _convert(child, tf_class, block_size, scale_dtype)
+            new = converted.get(child)
+            if new is None:
+                new = _convert(child, tf_class, block_size, scale_dtype)
             if new is not None:
                 setattr(parent, name, new)
-                replaced += 1
+                converted[child] = new
+    replaced = len(converted)
     logger.info("convert_linears: %d linear layers converted to FP8Linear (skipped names: %s)", replaced, sorted(skip))
     return model
