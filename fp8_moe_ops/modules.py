@@ -8,8 +8,8 @@ checkpoints map one to one.  Static activation scales are set by
 Both modules check what they are given as the ops do -- a ``TypeError`` or
 ``ValueError`` naming the argument (or state-dict key), with expected and got -- at
 construction, on assignment of ``activation_scheme`` / ``dispatch`` / ``activation`` /
-``swiglu_limit``, in ``forward`` and in ``load_state_dict``, so misuse never runs
-silently.  What shapes the weights (sizes, ``block_size``) is fixed at construction.
+``swiglu_limit`` or of a parameter, in ``forward`` and in ``load_state_dict``, so misuse
+never runs silently.  What shapes the weights (sizes, ``block_size``) is fixed at construction.
 """
 
 from __future__ import annotations
@@ -84,11 +84,12 @@ def _check_activations(name: str, x: object, last_dim: int, last_dim_name: str) 
 
 
 class _CheckedStateDict:
-    """``load_state_dict`` refuses a parameter of another dtype or shape (nn.Module
-    would cast a float weight to fp8 silently), and scales that are not finite and
-    positive, with a ``TypeError`` / ``ValueError`` naming the key.  A module pickled
-    whole (``torch.save(module)``) before its settings became properties loads too.
-    Dtype casts of a whole model leave the parameters' dtypes alone (:meth:`_apply`)."""
+    """A parameter replaced (``module.gate_up_proj = nn.Parameter(...)``) or loaded
+    (``load_state_dict``) must keep its dtype and shape (nn.Module would cast a float
+    weight to fp8 silently on load) and scales must be finite and positive: a
+    ``TypeError`` / ``ValueError`` names the attribute or key.  A module pickled whole
+    (``torch.save(module)``) before its settings became properties loads too.  Dtype
+    casts of a whole model leave the parameters' dtypes alone (:meth:`_apply`)."""
 
     _PROPERTIES: tuple[str, ...] = ()  # settings stored as ``_<name>`` behind a property since 2026-12-04
 
@@ -109,22 +110,30 @@ class _CheckedStateDict:
                 state["_" + name] = state.pop(name)
         super().__setstate__(state)
 
+    def _check_replacement(self, key: str, name: str, value: object) -> None:
+        """``value`` in place of parameter ``name`` (``key``: how the caller named it)."""
+        param = self._parameters[name]
+        if not isinstance(value, torch.Tensor):
+            fail(TypeError, key, "a Tensor", type(value).__name__)
+        if value.dtype != param.dtype:
+            fail(TypeError, key, f"dtype {param.dtype} (that of {type(self).__name__}.{name})", value.dtype)
+        if value.shape != param.shape:
+            fail(ValueError, key, f"shape {tuple(param.shape)} (that of {type(self).__name__}.{name})",
+                 shape_str(value))
+        if name.endswith(("_scale_inv", "activation_scale")) and value.device.type != "meta":
+            check_scale_values(key, value)  # once per replacement; a forward on CUDA checks no values
+
+    def __setattr__(self, name: str, value) -> None:
+        params = self.__dict__.get("_parameters")
+        if params is not None and params.get(name) is not None and value is not None:
+            self._check_replacement(name, name, value)
+        super().__setattr__(name, value)
+
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
         for name, param in self._parameters.items():
-            key = prefix + name
-            if param is None or key not in state_dict:
-                continue
-            value = state_dict[key]
-            if not isinstance(value, torch.Tensor):
-                fail(TypeError, key, "a Tensor", type(value).__name__)
-            if value.dtype != param.dtype:
-                fail(TypeError, key, f"dtype {param.dtype} (that of {type(self).__name__}.{name})", value.dtype)
-            if value.shape != param.shape:
-                fail(ValueError, key, f"shape {tuple(param.shape)} (that of {type(self).__name__}.{name})",
-                     shape_str(value))
-            if name.endswith(("_scale_inv", "activation_scale")) and value.device.type != "meta":
-                check_scale_values(key, value)  # once per load; a forward on CUDA checks no values
+            if param is not None and prefix + name in state_dict:
+                self._check_replacement(prefix + name, name, state_dict[prefix + name])
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
 

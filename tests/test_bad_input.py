@@ -308,6 +308,27 @@ def test_load_state_dict_rejects_wrong_dtype_or_shape_naming_the_key(key, value,
         m.load_state_dict(sd)
 
 
+def _param(t):
+    return nn.Parameter(t, requires_grad=False)
+
+
+@pytest.mark.parametrize("name,value,exc,match", [
+    ("gate_up_proj", lambda t: _param(t.float()), TypeError,  # the eager loop named the inner op's w
+     "gate_up_proj: expected dtype torch.float8_e4m3fn \\(that of FP8Experts.gate_up_proj\\), got torch.float32"),
+    ("down_proj", lambda t: _param(t[:2]), ValueError, r"down_proj: expected shape \(3, 64, 16\)"),
+    ("down_proj_scale_inv", lambda t: _param(-t), ValueError, "down_proj_scale_inv: expected finite positive scales"),
+    ("gate_up_proj_scale_inv", lambda t: "scales", TypeError, "gate_up_proj_scale_inv: expected a Tensor, got str"),
+])
+def test_replacing_a_parameter_is_checked_as_loading_it(name, value, exc, match):
+    m = _experts()
+    before = getattr(m, name)
+    with pytest.raises(exc, match=match):
+        setattr(m, name, value(before))
+    assert getattr(m, name) is before
+    setattr(m, name, _param(before.clone()))  # the same dtype and shape: accepted
+    assert torch.equal(getattr(m, name), before)
+
+
 def test_load_state_dict_checks_a_static_scale():
     model = nn.Sequential(fp8_moe_ops.FP8Linear(16, 8, activation_scheme="static"))
     sd = model.state_dict()
