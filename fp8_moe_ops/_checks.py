@@ -23,6 +23,21 @@ def shape_str(t: torch.Tensor) -> str:
     return f"shape {tuple(t.shape)}"
 
 
+def check_sizes(name: str, got: Sequence, expected: Sequence, what: str, shown: str) -> None:
+    """``got == expected`` size by size (``fail(ValueError, name, what, shown)`` if not),
+    for sizes that may be symbolic: a token count marked unbacked (one graph for every
+    T) cannot be compared in Python while tracing, so there the comparison becomes a
+    runtime assert instead of a guard."""
+    from torch.fx.experimental.symbolic_shapes import guard_or_true  # not imported by ``import torch``
+
+    if len(got) != len(expected):
+        fail(ValueError, name, what, shown)
+    for g, e in zip(got, expected):
+        if not guard_or_true(g == e):  # ints and backed sizes: compared (a guard); unbacked: assumed
+            fail(ValueError, name, what, shown)
+        torch._check(g == e)  # unbacked: checked at run time
+
+
 def _is_int(v: object) -> bool:
     return isinstance(v, (int, torch.SymInt)) and not isinstance(v, bool)
 

@@ -246,6 +246,33 @@ def test_compile_fullgraph_each_op(static):
         assert torch.equal(e, c)
 
 
+@pytest.mark.slow
+def test_one_graph_for_every_token_count_marked_unbacked():
+    # T marked unbacked: the shape checks compare it without a guard (a runtime assert),
+    # so one graph serves T = 0, 1 and more (backed, Dynamo specialises 0 and 1)
+    torch._dynamo.reset()
+    a = make_experts_inputs(5, 4, 64, 32, 2, [32, 32])
+    mod = fp8_moe_ops.FP8Experts(4, 64, 32, [32, 32], dispatch="batched")
+    mod.gate_up_proj.data, mod.gate_up_proj_scale_inv.data = a["gate_up_proj"], a["gate_up_scale_inv"]
+    mod.down_proj.data, mod.down_proj_scale_inv.data = a["down_proj"], a["down_scale_inv"]
+    weights = {k: v for k, v in a.items() if k not in ("hidden", "top_k_index", "top_k_weights")}
+
+    def f(hidden, top_k_index, top_k_weights):
+        return OPS.grouped_experts(hidden, top_k_index, top_k_weights, **weights)
+
+    compiled_op = torch.compile(f, fullgraph=True, backend="aot_eager")
+    compiled_mod = torch.compile(mod, fullgraph=True, backend="aot_eager")
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for T in (5, 0, 1, 9):
+        b = make_experts_inputs(T, 4, 64, 32, 2, [32, 32], seed=T)
+        routing = (b["hidden"], b["top_k_index"], b["top_k_weights"])
+        for t in routing:
+            torch._dynamo.decorators.mark_unbacked(t, 0)
+        assert torch.equal(compiled_op(*routing), f(*routing))
+        assert torch.equal(compiled_mod(*routing), mod(*routing))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs + 2
+
+
 def test_experts_op_backward_raises_and_no_grad_output():
     args = make_experts_inputs(3, 4, 32, 16, 2, [16, 16])
     args["hidden"] = args["hidden"].float().requires_grad_()
