@@ -279,9 +279,11 @@ class _NoAutograd(torch.autograd.Function):
     gradient through the quantisation."""
 
     @staticmethod
-    def forward(ctx, op, keyset, *args):
+    def forward(ctx, op, keyset, n, *args):
+        # args: the op's n arguments, then the tensors of its lists that require grad
+        # (autograd does not see into lists: listed again, the output requires grad)
         ctx.name = op.name()
-        return op.redispatch(keyset & torch._C._after_autograd_keyset, *args)
+        return op.redispatch(keyset & torch._C._after_autograd_keyset, *args[:n])
 
     @staticmethod
     def backward(ctx, *grads):
@@ -308,9 +310,13 @@ def _experts_op(name: str, schema: str, check, value_check, *, cuda_check=None):
     plans = None  # the op's StackedPlans, made on its first CUDA call (Triton is imported then)
 
     def autograd_impl(keyset, *args):
-        # the dispatcher passes every argument positionally (the schema has no keyword-only ones)
-        if torch.is_grad_enabled() and torch._C._any_requires_grad(*args):
-            return _NoAutograd.apply(op, keyset, *args)
+        # the dispatcher passes every argument positionally (the schema has no keyword-only ones);
+        # _any_requires_grad does not look into the list op's Tensor[] arguments
+        if torch.is_grad_enabled():
+            lists = [a for a in args if isinstance(a, list) and a and isinstance(a[0], torch.Tensor)]
+            if torch._C._any_requires_grad(*args) or any(torch._C._any_requires_grad(*a) for a in lists):
+                listed = [t for a in lists for t in a if t.requires_grad]
+                return _NoAutograd.apply(op, keyset, len(args), *args, *listed)
         below = keyset & torch._C._after_autograd_keyset
         impl = backends.get(below.highestPriorityTypeId())
         if impl is not None:

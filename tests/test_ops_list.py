@@ -232,6 +232,18 @@ def test_metadata_guard_compares_every_tensors_metadata():
         assert not guard(*changed), (i, other.shape, other.stride(), other.dtype, other.device)
 
 
+def test_backward_through_the_list_op_raises_when_only_a_listed_tensor_requires_grad():
+    # autograd does not look into Tensor[] arguments: the op lists them again for it
+    a = _lists()
+    a["gate_up_scale_inv"] = [s.clone().requires_grad_() for s in a["gate_up_scale_inv"]]
+    out = OPS.grouped_experts_list(**a)
+    assert out.requires_grad
+    with pytest.raises(RuntimeError, match="fp8_moe::grouped_experts_list has no autograd formula"):
+        out.float().sum().backward()
+    with torch.no_grad():
+        assert not OPS.grouped_experts_list(**a).requires_grad
+
+
 def test_bad_separate_gate_up_shape():
     a = _lists(separate=True)
     a = _replace(a, "gate_up_proj", 5, a["gate_up_proj"][5][:16].contiguous())
