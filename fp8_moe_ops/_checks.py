@@ -23,18 +23,23 @@ def shape_str(t: torch.Tensor) -> str:
     return f"shape {tuple(t.shape)}"
 
 
-def check_sizes(name: str, got: Sequence, expected: Sequence, what: str, shown: str) -> None:
-    """``got == expected`` size by size (``fail(ValueError, name, what, shown)`` if not),
-    for sizes that may be symbolic: a token count marked unbacked (one graph for every
-    T) cannot be compared in Python while tracing, so there the comparison becomes a
-    runtime assert instead of a guard."""
-    from torch.fx.experimental.symbolic_shapes import guard_or_true  # not imported by ``import torch``
-
+def check_sizes(name: str, got: Sequence, expected: Sequence, what: Callable[[], str], t: torch.Tensor) -> None:
+    """``got == expected`` size by size, else ``fail(ValueError, name, what(), shape_str(t))``
+    (the texts made only then: the ops' per-call checks cost microseconds). Sizes may be
+    symbolic: a token count marked unbacked (one graph for every T) cannot be compared
+    in Python while tracing, so there the comparison becomes a runtime assert instead of
+    a guard."""
     if len(got) != len(expected):
-        fail(ValueError, name, what, shown)
+        fail(ValueError, name, what(), shape_str(t))
     for g, e in zip(got, expected):
-        if not guard_or_true(g == e):  # ints and backed sizes: compared (a guard); unbacked: assumed
-            fail(ValueError, name, what, shown)
+        if g.__class__ is int and e.__class__ is int:
+            if g != e:
+                fail(ValueError, name, what(), shape_str(t))
+            continue
+        from torch.fx.experimental.symbolic_shapes import guard_or_true  # not imported by ``import torch``
+
+        if not guard_or_true(g == e):  # backed sizes: compared (a guard); unbacked: assumed
+            fail(ValueError, name, what(), shape_str(t))
         torch._check(g == e)  # unbacked: checked at run time
 
 

@@ -366,17 +366,19 @@ class FP8Experts(_CheckedStateDict, nn.Module):
             fail(TypeError, "top_k_index", "a Tensor", type(top_k_index).__name__)
         if top_k_index.dtype not in _INDEX_DTYPES:
             fail(TypeError, "top_k_index", "dtype torch.int32 or torch.int64 (expert ids)", top_k_index.dtype)
-        index_shape = f"shape {lead + ('top_k',)} (leading dims of hidden_states, top_k >= 1)"
+        def index_shape() -> str:
+            return f"shape {lead + ('top_k',)} (leading dims of hidden_states, top_k >= 1)"
+
         if top_k_index.dim() != hidden_states.dim() or top_k_index.shape[-1] < 1:
-            fail(ValueError, "top_k_index", index_shape, shape_str(top_k_index))
-        check_sizes("top_k_index", top_k_index.shape[:-1], lead, index_shape, shape_str(top_k_index))
+            fail(ValueError, "top_k_index", index_shape(), shape_str(top_k_index))
+        check_sizes("top_k_index", top_k_index.shape[:-1], lead, index_shape, top_k_index)
         if not isinstance(top_k_weights, torch.Tensor):
             fail(TypeError, "top_k_weights", "a Tensor", type(top_k_weights).__name__)
         if top_k_weights.dtype not in _ACT_DTYPES:
             fail(TypeError, "top_k_weights", "dtype bfloat16, float16 or float32 (routing weights)",
                  top_k_weights.dtype)
         check_sizes("top_k_weights", top_k_weights.shape, top_k_index.shape,
-                    f"shape {tuple(top_k_index.shape)} (that of top_k_index)", shape_str(top_k_weights))
+                    lambda: f"shape {tuple(top_k_index.shape)} (that of top_k_index)", top_k_weights)
         device = self._tensor("gate_up_proj").device
         for name, t in (("hidden_states", hidden_states), ("top_k_index", top_k_index),
                         ("top_k_weights", top_k_weights)):

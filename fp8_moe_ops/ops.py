@@ -148,8 +148,8 @@ def check_batched_mm(x, w, w_scale_inv, expert_ids, block_size, act_scale=None, 
     _check_tensor("expert_ids", expert_ids)
     if expert_ids.dtype not in _INDEX_DTYPES:
         fail(TypeError, "expert_ids", "dtype torch.int32 or torch.int64", expert_ids.dtype)
-    check_sizes("expert_ids", expert_ids.shape, (x.shape[0],), f"shape ({x.shape[0]},) (one expert per row of x)",
-                shape_str(expert_ids))
+    check_sizes("expert_ids", expert_ids.shape, (x.shape[0],),
+                lambda: f"shape ({x.shape[0]},) (one expert per row of x)", expert_ids)
     _check_same_device(x=x, w=w, w_scale_inv=w_scale_inv, expert_ids=expert_ids, act_scale=act_scale)
 
 
@@ -163,14 +163,13 @@ def _check_routing(hidden, top_k_index, top_k_weights) -> None:
         fail(TypeError, "top_k_index", "dtype torch.int32 or torch.int64", top_k_index.dtype)
     if top_k_index.dim() != 2:
         fail(ValueError, "top_k_index", f"shape ({T}, top_k) (T from hidden)", shape_str(top_k_index))
-    check_sizes("top_k_index", top_k_index.shape[:1], (T,), f"shape ({T}, top_k) (T from hidden)",
-                shape_str(top_k_index))
+    check_sizes("top_k_index", top_k_index.shape[:1], (T,), lambda: f"shape ({T}, top_k) (T from hidden)", top_k_index)
     if top_k_index.shape[1] == 0:
         fail(ValueError, "top_k_index", "top_k >= 1", shape_str(top_k_index))
     if not top_k_weights.is_floating_point() or top_k_weights.dtype not in _ACT_DTYPES:
         fail(TypeError, "top_k_weights", "dtype bfloat16, float16 or float32", top_k_weights.dtype)
     check_sizes("top_k_weights", top_k_weights.shape, top_k_index.shape,
-                f"shape {tuple(top_k_index.shape)} (that of top_k_index)", shape_str(top_k_weights))
+                lambda: f"shape {tuple(top_k_index.shape)} (that of top_k_index)", top_k_weights)
 
 
 def _check_experts_options(E, activation, gate_up_act_scale, down_act_scale, swiglu_limit) -> None:
