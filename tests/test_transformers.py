@@ -151,6 +151,11 @@ def test_names_registered_and_accepted(tmp_path):
     # bf16 experts (not quantised) say what to do instead of running.
     with pytest.raises(TypeError, match="quantize_experts"):
         logits(model, batches(1)[0])
+    # the package's own module runs the ops itself (this function read transformers' act_fn of it)
+    ours = FP8Experts.from_float(torch.randn(4, 16, 32), torch.randn(4, 32, 8), block_size=(16, 16))
+    with pytest.raises(TypeError, match="self: expected a transformers experts module, got fp8_moe_ops.FP8Experts"):
+        integration.fp8_moe_grouped_forward(ours, torch.randn(2, 32), torch.zeros(2, 1, dtype=torch.long),
+                                            torch.ones(2, 1))
 
 
 def test_fixed_name_list_validator_is_handled(monkeypatch):

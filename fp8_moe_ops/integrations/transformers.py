@@ -177,6 +177,9 @@ def _blocks(module: nn.Module, get=getattr) -> tuple[list[int], list[int]]:
 
 
 def _check_fp8_experts(module: nn.Module, get=getattr) -> None:
+    if isinstance(module, FP8Experts):
+        raise TypeError("self: expected a transformers experts module, got fp8_moe_ops.FP8Experts, which runs "
+                        "the ops itself (call it: module(hidden_states, top_k_index, top_k_weights))")
     _check_gating(module, get=get)
     for name in ("gate_up_proj", "down_proj"):
         w = get(module, name)
