@@ -105,6 +105,12 @@ class _CheckedStateDict:
 
         return super()._apply(keep_dtype, recurse)
 
+    def _tensor(self, name: str) -> torch.Tensor | None:
+        # a parameter through nn.Module.__getattr__ costs about 0.7 us of CPU, and a call reads
+        # several; a parametrised or unset one is found by the usual lookup
+        t = self._parameters.get(name)
+        return t if t is not None else getattr(self, name)
+
     def __setstate__(self, state: dict) -> None:
         for name in self._PROPERTIES:
             if name in state and "_" + name not in state:
@@ -209,9 +215,7 @@ class FP8Linear(_CheckedStateDict, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_activations("x", x, self.in_features, "in_features")
-        weight = self._parameters.get("weight")
-        if weight is None:  # parametrised: the usual lookup
-            weight = self.weight
+        weight = self._tensor("weight")
         if x.device != weight.device:
             fail(ValueError, "x", f"a tensor on {weight.device} (the device of the weights)", x.device)
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
@@ -340,12 +344,6 @@ class FP8Experts(_CheckedStateDict, nn.Module):
         mod.down_proj.data, mod.down_proj_scale_inv.data = quantize_named(down_proj, block_size, scale_dtype,
                                                                           "down_proj")
         return mod
-
-    def _tensor(self, name: str) -> torch.Tensor | None:
-        # a parameter through nn.Module.__getattr__ costs about 0.7 us of CPU, and a call reads
-        # five or seven; a parametrised or unset one is found by the usual lookup
-        t = self._parameters.get(name)
-        return t if t is not None else getattr(self, name)
 
     def expert_weights(self) -> ops.ExpertWeights:
         """The weights and settings as the experts ops take them (static scales only

@@ -307,12 +307,13 @@ def _experts_op(name: str, schema: str, check, value_check, *, cuda_check=None):
     _LIB.define(name + schema)
     op = getattr(torch.ops.fp8_moe, name).default
     plans = None  # the op's StackedPlans, made on its first CUDA call (Triton is imported then)
+    tensor_lists = [i for i, a in enumerate(op._schema.arguments) if str(a.type) == "List[Tensor]"]
 
     def autograd_impl(keyset, *args):
         # the dispatcher passes every argument positionally (the schema has no keyword-only ones);
         # _any_requires_grad does not look into the list op's Tensor[] arguments
         if torch.is_grad_enabled():
-            lists = [a for a in args if isinstance(a, list) and a and isinstance(a[0], torch.Tensor)]
+            lists = [args[i] for i in tensor_lists]
             if torch._C._any_requires_grad(*args) or any(torch._C._any_requires_grad(*a) for a in lists):
                 listed = [t for a in lists for t in a if t.requires_grad]
                 return _NoAutograd.apply(op, keyset, len(args), *args, *listed)
