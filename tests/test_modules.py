@@ -157,6 +157,14 @@ def test_convert_linears_keeps_tied_linears_tied():
     assert isinstance(model["b"][1], FP8Linear) and len(list(model.modules())) == 4
 
 
+def test_convert_linears_names_the_layer_it_cannot_convert_and_changes_nothing():
+    first = nn.Linear(16, 8)
+    model = nn.Sequential(first, nn.Sequential(nn.Linear(8, 8, device="meta")))
+    with pytest.raises(ValueError, match=r"convert_linears: 1\.0 \(Linear\): linear\.weight: .*meta device"):
+        fp8_moe_ops.convert_linears(model, block_size=(8, 8))
+    assert model[0] is first  # converted only once every layer could be
+
+
 def test_module_argument_errors():
     with pytest.raises(ValueError, match="dispatch: expected one of"):
         FP8Experts(4, 64, 32, dispatch="loop")

@@ -94,8 +94,10 @@ def convert_linears(
     of ``skip`` is left in full precision: routers and heads.  ``gate_proj`` is not ``gate``.
 
     A linear layer registered under several names (tied) becomes one ``FP8Linear``
-    registered under the same names.  Returns ``model`` (or, when ``model`` itself is a
-    linear layer, its replacement).
+    registered under the same names.  Every layer is converted before any is replaced: one
+    that cannot be (a weight on the meta device, say) raises, naming its path, and leaves
+    ``model`` as it was.  Returns ``model`` (or, when ``model`` itself is a linear layer,
+    its replacement).
     """
     if not isinstance(model, nn.Module):
         fail(TypeError, "model", "an nn.Module", type(model).__name__)
@@ -108,17 +110,24 @@ def convert_linears(
     root = _convert(model, tf_class, block_size, scale_dtype)
     if root is not None:
         return root
+    # every replacement is made before any is set: a layer that cannot be converted leaves
+    # the model as it was, and the error names that layer
     converted = {}  # a linear layer registered in several places becomes one FP8Linear (shared, as it was)
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
+    places = []
+    for path, parent in model.named_modules():
+        for name, child in parent.named_children():
             if name in skip:
                 continue
-            new = converted.get(child)
-            if new is None:
-                new = _convert(child, tf_class, block_size, scale_dtype)
-            if new is not None:
-                setattr(parent, name, new)
-                converted[child] = new
-    replaced = len(converted)
+            if child not in converted:
+                try:
+                    converted[child] = _convert(child, tf_class, block_size, scale_dtype)
+                except (ValueError, TypeError, NotImplementedError) as e:
+                    raise type(e)(f"convert_linears: {path + '.' if path else ''}{name} "
+                                  f"({type(child).__name__}): {e}") from e
+            if converted[child] is not None:
+                places.append((parent, name, converted[child]))
+    for parent, name, new in places:
+        setattr(parent, name, new)
+    replaced = sum(new is not None for new in converted.values())
     logger.info("convert_linears: %d linear layers converted to FP8Linear (skipped names: %s)", replaced, sorted(skip))
     return model
