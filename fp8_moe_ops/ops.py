@@ -220,6 +220,11 @@ def _kernels():
     return kernels
 
 
+def _refuse_backward(name: str):
+    raise RuntimeError(f"{name} has no autograd formula (an inference op): run it under "
+                       "torch.no_grad() or torch.inference_mode(), or keep it out of the backward pass")
+
+
 def _gemm_op(name: str, schema: str, check, ref_fn):
     """Registers one fp8 GEMM op (``linear``, ``grouped_mm``, ``batched_mm``): the CPU
     reference and the CUDA kernel behind the same checks, and a fake of shape (rows of
@@ -254,6 +259,11 @@ def _gemm_op(name: str, schema: str, check, ref_fn):
     def _(*args, **kwargs):
         return getattr(_kernels(), name)(*bind(args, kwargs).args)
 
+    def backward(ctx, grad):
+        _refuse_backward(f"fp8_moe::{name}")
+
+    # without it torch's own error asks the caller to register an autograd formula
+    op.register_autograd(backward)
     return op
 
 
@@ -286,8 +296,7 @@ class _NoAutograd(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        raise RuntimeError(f"{ctx.name} has no autograd formula (an inference op): run it under "
-                           "torch.no_grad() or torch.inference_mode(), or keep it out of the backward pass")
+        _refuse_backward(ctx.name)
 
 
 def _experts_op(name: str, schema: str, check, value_check, *, cuda_check=None):

@@ -273,6 +273,18 @@ def test_one_graph_for_every_token_count_marked_unbacked():
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs + 2
 
 
+def test_gemm_ops_backward_raises_naming_the_op():
+    w, ws = make_expert_weights(3, 32, 64, [32, 32])
+    x = torch.randn(4, 64, requires_grad=True)
+    outs = {"linear": OPS.linear(x, w[0], ws[0], [32, 32]),
+            "grouped_mm": OPS.grouped_mm(x, w, ws, torch.tensor([1, 3, 4], dtype=torch.int32), [32, 32]),
+            "batched_mm": OPS.batched_mm(x, w, ws, torch.tensor([0, 2, 1, 0]), [32, 32])}
+    for name, out in outs.items():
+        assert out.requires_grad  # the forward runs as usual
+        with pytest.raises(RuntimeError, match=f"fp8_moe::{name} has no autograd formula \\(an inference op\\)"):
+            out.sum().backward()
+
+
 def test_experts_op_backward_raises_and_no_grad_output():
     args = make_experts_inputs(3, 4, 32, 16, 2, [16, 16])
     args["hidden"] = args["hidden"].float().requires_grad_()
