@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable
 
 import torch
@@ -11,14 +12,17 @@ from .modules import FP8Experts, FP8Linear
 from .functional import FP8_MAX
 
 
-def _scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
+def _scale_from_amax(amax: torch.Tensor) -> torch.Tensor | None:
     """amax (one value, or (2, E): gate_up and down inputs per expert) -> dequant
-    multiplier ``amax / 448``.  An expert that saw no token (amax 0) takes the largest
-    scale of its projection in the layer, so it never saturates needlessly; a layer
-    that saw nothing at all gets scale 1 / 448."""
+    multiplier ``amax / 448`` (at least float32's smallest positive value, so that a
+    tiny amax never makes a zero scale).  An expert that saw no token (amax 0) takes the
+    largest scale of its projection in the layer, so it never saturates needlessly.
+    None where there is nothing to scale by: a linear, or a projection of every expert
+    of a layer, whose inputs were all zero or that was never called."""
     seen = amax.amax(dim=-1, keepdim=True) if amax.dim() else amax
-    fallback = torch.where(seen > 0, seen, torch.ones_like(seen))
-    return torch.where(amax > 0, amax, fallback) / FP8_MAX
+    if not bool((seen > 0).all()):
+        return None
+    return (torch.where(amax > 0, amax, seen) / FP8_MAX).clamp_min(2.0 ** -149)  # float32's smallest positive
 
 
 def _check_finite(m: nn.Module, name: str) -> None:
@@ -46,7 +50,11 @@ def calibrate_static_scales(model: nn.Module, calibration_batches: Iterable) -> 
     ``activation_scheme = "static"`` with scale ``amax / 448`` (the dequant multiplier).
     Returns ``model``, modified in place.  A NaN or an infinity in any recorded input
     raises ``ValueError`` naming the module and the projection, and leaves every module
-    as it was (dynamic): no finite scale can represent it.
+    as it was (dynamic): no finite scale can represent it.  A module that saw no
+    nonzero input (never called by the batches, or only with zeros; for experts: no
+    nonzero input to one of the projections of any expert) stays dynamic, with a
+    ``UserWarning`` naming it: no maximum was observed to scale by.  Empty batches
+    (no tokens) record nothing.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
@@ -70,14 +78,21 @@ def calibrate_static_scales(model: nn.Module, calibration_batches: Iterable) -> 
             raise ValueError("calibration_batches: expected at least one batch, got none")
         for m in targets:
             _check_finite(m, names[m])
+        unseen = []
         for m in targets:
             scales = _scale_from_amax(m._observer)
+            if scales is None:
+                unseen.append(f"model.{names[m]}" if names[m] else "model")
+                continue
             if isinstance(m, FP8Linear):
                 m.activation_scale = nn.Parameter(scales.reshape(1), requires_grad=False)
             else:
                 m.gate_up_proj_activation_scale = nn.Parameter(scales[0].contiguous(), requires_grad=False)
                 m.down_proj_activation_scale = nn.Parameter(scales[1].contiguous(), requires_grad=False)
             m.activation_scheme = "static"
+        if unseen:
+            warnings.warn(f"calibrate_static_scales: no nonzero input reached {', '.join(unseen)} in the calibration "
+                          "batches; left dynamic (a static scale needs an observed maximum)", stacklevel=3)
     finally:
         for m in targets:
             m._observer = None

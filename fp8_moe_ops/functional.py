@@ -39,18 +39,21 @@ def next_power_of_2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+_H_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
 def gated_activation(h: torch.Tensor, activation: str, swiglu_limit: float | None = None) -> torch.Tensor:
     """h (M, 2I) gate_up product (gate columns first) -> ``act(gate) * up`` (M, I).
 
     Computed in float32 from the rounded ``h`` and rounded once to ``h.dtype``, the
     rounding of an unfused loop; ``swiglu_limit`` clamps gate (max) and up (both
     sides) first, as transformers' experts do."""
-    fn = _ACT_FNS.get(activation)
+    fn = _ACT_FNS.get(activation) if isinstance(activation, str) else None
     if fn is None:
         raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {activation!r}")
-    if not isinstance(h, torch.Tensor) or not h.is_floating_point():
+    if not isinstance(h, torch.Tensor) or h.dtype not in _H_DTYPES:
         got = h.dtype if isinstance(h, torch.Tensor) else type(h).__name__
-        raise TypeError(f"h: expected a float tensor (the gate_up product), got {got}")
+        raise TypeError(f"h: expected a float16/bfloat16/float32/float64 tensor (the gate_up product), got {got}")
     if h.dim() < 1 or h.shape[-1] % 2:
         raise ValueError(f"h: expected shape (..., 2I) (I gate columns, then I up columns), got shape {tuple(h.shape)}")
     check_swiglu_limit(swiglu_limit)

@@ -219,7 +219,7 @@ class FP8Linear(_CheckedStateDict, nn.Module):
         if x.device != weight.device:
             fail(ValueError, "x", f"a tensor on {weight.device} (the device of the weights)", x.device)
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        if self._observer is not None:
+        if self._observer is not None and x2.numel():
             self._observer.copy_(torch.maximum(self._observer, x2.detach().float().abs().amax()))
         act_scale = self.activation_scale if self.activation_scheme == "static" else None
         y = torch.ops.fp8_moe.linear(x2, weight, self.weight_scale_inv, self._block_size, act_scale)

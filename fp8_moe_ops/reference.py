@@ -91,7 +91,10 @@ def quantize_weight_blockwise(w: torch.Tensor, block_size: Sequence[int], scale_
     """Block-wise weight quantisation: w (..., N, K) float -> (e4m3, scale_inv grid).
 
     float32 scales are ``amax / 448``; UE8M0 scales are ``2 ** ceil(log2(amax / 448))``
-    (rounded up, so no weight saturates).  An all-zero block gets scale 1."""
+    (rounded up, so no weight saturates).  An all-zero block gets scale 1.  A block so
+    small that its scale would fall below the scale dtype's smallest positive value
+    (float32: 2^-149; UE8M0: 2^-127) gets that value: its weights stay unsaturated
+    and the scale stays positive."""
     bn, bk = block_size
     *lead, N, K = w.shape
     gn, gk = cdiv(N, bn), cdiv(K, bk)
@@ -100,7 +103,9 @@ def quantize_weight_blockwise(w: torch.Tensor, block_size: Sequence[int], scale_
     amax = blocks.abs().amax(dim=(-3, -1))  # (..., gn, gk)
     scale = amax / FP8_MAX
     if scale_dtype == torch.float8_e8m0fnu:
-        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+        scale = torch.exp2(torch.ceil(torch.log2(scale)).clamp_min(-127))
+    else:
+        scale = scale.clamp_min(2.0 ** -149)  # float32's smallest positive value
     scale = torch.where(amax == 0, torch.ones_like(scale), scale)
     q = torch.div(blocks, scale[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     q = q.reshape(*lead, gn * bn, gk * bk)[..., :N, :K].contiguous()

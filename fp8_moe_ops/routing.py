@@ -35,6 +35,12 @@ def sort_slots(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor
         and ``offsets`` (E,) int32, inclusive cumsum of slots per expert (the grouped
         ops' layout; sentinel slots sit past ``offsets[-1]``).
     """
+    if not isinstance(expert_ids, torch.Tensor) or expert_ids.is_floating_point() or expert_ids.is_complex() \
+            or expert_ids.dtype == torch.bool:
+        got = expert_ids.dtype if isinstance(expert_ids, torch.Tensor) else type(expert_ids).__name__
+        raise TypeError(f"expert_ids: expected an integer tensor (expert ids), got {got}")
+    if isinstance(num_experts, bool) or not isinstance(num_experts, (int, torch.SymInt)) or num_experts < 0:
+        raise TypeError(f"num_experts: expected a non-negative int, got {num_experts!r}")
     key, _ = _sort_key(expert_ids.reshape(-1), num_experts)
     sorted_key, perm = torch.sort(key, stable=True)
     # offsets[e] = number of slots with key <= e = first sorted position with key > e

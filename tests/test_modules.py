@@ -89,6 +89,29 @@ def test_calibration_expert_without_tokens_takes_layer_max():
     assert d[3] == d[:3].max()
 
 
+def test_calibration_leaves_a_module_without_input_dynamic_and_says_so():
+    # it became static with the arbitrary scale 1/448 (inputs past 1 clamped), silently
+    model = nn.ModuleDict({"a": FP8Linear.from_float(nn.Linear(16, 16), block_size=(8, 8)),
+                           "b": FP8Linear.from_float(nn.Linear(16, 16), block_size=(8, 8))})
+    model.forward = lambda x: model["a"](x)  # b is never called
+    with pytest.warns(UserWarning, match=r"no nonzero input reached model\.b in the calibration batches; left dynamic"):
+        fp8_moe_ops.calibrate_static_scales(model, [torch.randn(2, 16)])
+    assert model["a"].activation_scheme == "static" and model["b"].activation_scheme == "dynamic"
+    assert model["b"]._observer is None
+
+
+def test_calibration_skips_empty_batches_and_keeps_tiny_scales_positive():
+    lin = FP8Linear.from_float(nn.Linear(16, 8), block_size=(8, 8))
+    x = torch.randn(3, 16)
+    # a batch of no tokens raised torch's amax error; an input of 1e-44 made the scale 0
+    fp8_moe_ops.calibrate_static_scales(lin, [torch.randn(0, 16), torch.randn(2, 0, 16), x])
+    assert lin.activation_scale.item() == (x.abs().max() / 448).item()
+    tiny = FP8Linear.from_float(nn.Linear(16, 8), block_size=(8, 8))
+    fp8_moe_ops.calibrate_static_scales(tiny, [torch.full((2, 16), 1e-44)])
+    assert tiny.activation_scale.item() == 2.0 ** -149
+    assert torch.isfinite(tiny(torch.full((2, 16), 1e-44))).all()
+
+
 def test_calibration_refuses_nan_or_inf_and_leaves_the_model_dynamic():
     # one NaN token would have given its experts the fallback scale 1/448 (no error);
     # an Inf, an infinite scale that only the next forward refused

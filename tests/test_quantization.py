@@ -87,6 +87,12 @@ def test_quantize_weight(shape, block, scale_dtype):
     (dict(block_size=(0, 128)), ValueError, "block_size"),
     (dict(scale_dtype=torch.float16), TypeError, "scale_dtype"),
     (dict(w=torch.full((4, 4), float("nan"))), ValueError, "finite"),
+    # finite in float64 but not in float32, which the scales are: NaN weights, infinite scale before
+    (dict(w=torch.tensor([[1e39, 1.0]], dtype=torch.float64)), ValueError,
+     r"w: expected values within float32's range \(\|w\| <= 3\.403e\+38\), got max \|w\| 1e\+39"),
+    # a UE8M0 block rounding to 256 * 2^120: dequantised to inf before
+    (dict(w=torch.tensor([[3.2e38]]), scale_dtype=torch.float8_e8m0fnu), ValueError,
+     r"w: expected \|w\| below 3\.19e\+38 for UE8M0 scales"),
 ])
 def test_quantize_weight_rejects_bad_input(bad, exc, match):
     kwargs = dict(w=torch.randn(4, 4), block_size=(128, 128), scale_dtype=torch.float32) | bad
@@ -104,3 +110,33 @@ def test_quantize_weight_per_tensor(scale_dtype):
         expected = torch.exp2(torch.ceil(torch.log2(expected)))
     assert torch.equal(s.float(), expected)
     assert torch.equal(q.view(torch.uint8), (w / expected).clamp(-448, 448).to(E4M3).view(torch.uint8))
+
+
+@pytest.mark.parametrize("value", [1e-38, 1e-42, 1e-44])
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.float8_e8m0fnu])
+def test_quantize_weight_of_tiny_blocks_keeps_a_positive_scale(value, scale_dtype):
+    # amax / 448 below the scale dtype's range: the scale underflowed to 0 (float32), or
+    # the stored UE8M0 scale (2^-127) was larger than the one divided by (263x weights)
+    w = torch.full((4, 4), value)
+    w[0, 0] = -value
+    q, s = fp8_moe_ops.quantize_weight(w, (128, 128), scale_dtype)
+    smallest = 2.0 ** -149 if scale_dtype == torch.float32 else 2.0 ** -127
+    assert s.float().item() == max(smallest, torch.tensor(value / 448).item() if scale_dtype == torch.float32 else 0)
+    deq = reference.dequantize_weight(q, s, (128, 128))
+    assert torch.isfinite(deq).all() and (deq.abs() <= 448 * s.float()).all()
+    if value * 2.0 ** 127 >= 2.0 ** -9 or scale_dtype == torch.float32:  # representable with that scale
+        torch.testing.assert_close(deq, w, rtol=0.07, atol=0.0)
+    else:
+        assert not deq.any()  # below UE8M0's smallest step: zeros, not garbage
+
+
+@pytest.mark.parametrize("shape", [(0, 5), (5, 0), (2, 0, 3)])
+def test_quantize_weight_per_tensor_of_an_empty_matrix(shape):
+    # the per-tensor block of an empty matrix was (0, K): a division by zero
+    q, s = fp8_moe_ops.quantize_weight(torch.randn(shape), None)
+    assert q.shape == shape and s.shape == shape[:-2] + tuple(min(n, 1) for n in shape[-2:])
+
+
+def test_quantize_weight_outputs_carry_no_autograd_history():
+    q, s = fp8_moe_ops.quantize_weight(torch.randn(4, 4, requires_grad=True), (2, 2))
+    assert not q.requires_grad and not s.requires_grad and s.grad_fn is None

@@ -31,6 +31,16 @@ def test_sort_slots_is_the_reference_sort(T, k, E, kind):
     assert torch.equal(pos[perm], torch.arange(T * k))
 
 
+@pytest.mark.parametrize("ids,E,match", [
+    (torch.tensor([[0.9, 1.7]]), 2, "expert_ids: expected an integer tensor"),  # was truncated to 0, 1
+    (torch.tensor([[True, False]]), 2, "expert_ids: expected an integer tensor"),
+    (torch.tensor([[0, 1]]), 2.5, "num_experts: expected a non-negative int, got 2.5"),  # made 3 offsets
+])
+def test_sort_slots_rejects_what_is_not_ids(ids, E, match):
+    with pytest.raises(TypeError, match=match):
+        routing.sort_slots(ids, E)
+
+
 @pytest.mark.parametrize("T,k,E,kind", ROUTING_CASES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_combine_is_the_reference_combine(T, k, E, kind, dtype):
