@@ -174,9 +174,10 @@ def test_casting_a_model_keeps_fp8_weights_and_scales():
 
 def test_convert_linears_keeps_tied_linears_tied():
     shared = nn.Linear(64, 64)
-    model = nn.ModuleDict({"a": shared, "b": nn.Sequential(shared, nn.Linear(64, 32))})
+    model = nn.ModuleDict({"a": shared, "b": nn.Sequential(shared, nn.Linear(64, 32), shared)})
     fp8_moe_ops.convert_linears(model, block_size=(32, 32))
     assert isinstance(model["a"], FP8Linear) and model["a"] is model["b"][0]
+    assert model["b"][2] is model["a"]  # twice in one parent: its second place was left a Linear
     assert isinstance(model["b"][1], FP8Linear) and len(list(model.modules())) == 4
 
 

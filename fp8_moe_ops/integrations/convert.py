@@ -115,8 +115,9 @@ def convert_linears(
     converted = {}  # a linear layer registered in several places becomes one FP8Linear (shared, as it was)
     places = []
     for path, parent in model.named_modules():
-        for name, child in parent.named_children():
-            if name in skip:
+        # _modules, not named_children(): that one lists a module held twice by one parent once
+        for name, child in parent._modules.items():
+            if child is None or name in skip:
                 continue
             if child not in converted:
                 try:
