@@ -27,8 +27,9 @@ def check_sizes(name: str, got: Sequence, expected: Sequence, what: Callable[[],
     """``got == expected`` size by size, else ``fail(ValueError, name, what(), shape_str(t))``
     (the texts made only then: the ops' per-call checks cost microseconds). Sizes may be
     symbolic: a token count marked unbacked (one graph for every T) cannot be compared
-    in Python while tracing, so there the comparison becomes a runtime assert instead of
-    a guard."""
+    in Python while tracing, so there the equality is asserted to the shape environment
+    (``torch._check``), which Dynamo turns into a guard on the inputs' sizes: a
+    mismatched call fails that guard instead of indexing out of bounds."""
     if len(got) != len(expected):
         fail(ValueError, name, what(), shape_str(t))
     for g, e in zip(got, expected):
@@ -40,7 +41,7 @@ def check_sizes(name: str, got: Sequence, expected: Sequence, what: Callable[[],
 
         if not guard_or_true(g == e):  # backed sizes: compared (a guard); unbacked: assumed
             fail(ValueError, name, what(), shape_str(t))
-        torch._check(g == e)  # unbacked: checked at run time
+        torch._check(g == e)  # unbacked: a guard on the inputs' sizes
 
 
 def _is_int(v: object) -> bool:

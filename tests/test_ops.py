@@ -271,6 +271,16 @@ def test_one_graph_for_every_token_count_marked_unbacked():
         assert torch.equal(compiled_op(*routing), f(*routing))
         assert torch.equal(compiled_mod(*routing), mod(*routing))
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs + 2
+    # inputs that disagree on T fail Dynamo's guard on their sizes: nothing runs
+    for T, Ti in ((6, 4), (4, 6)):
+        b = make_experts_inputs(max(T, Ti), 4, 64, 32, 2, [32, 32], seed=T)
+        routing = (b["hidden"][:T], b["top_k_index"][:Ti], b["top_k_weights"][:Ti])
+        for t in routing:
+            torch._dynamo.decorators.mark_unbacked(t, 0)
+        with pytest.raises(AssertionError, match=r"top_k_index\.size\(\)\[0\] == hidden\.size\(\)\[0\]"):
+            compiled_op(*routing)
+        with pytest.raises(AssertionError, match=r"top_k_index\.size\(\)\[0\] == hidden_states\.size\(\)\[0\]"):
+            compiled_mod(*routing)
 
 
 def test_gemm_ops_backward_raises_naming_the_op():
