@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from . import ops
 from ._checks import (
@@ -152,6 +153,13 @@ def _check_static_ready(module: nn.Module, names: Sequence[str]) -> None:
              f"'dynamic' until the static scales {missing} exist (calibrate_static_scales sets them)", "'static'")
 
 
+def _abs_max(t: torch.Tensor) -> torch.Tensor:
+    """The largest |t| as a float32 scalar, 0 for an empty t (a calibration observer's
+    update): a zero is appended rather than branching on ``t.numel()``, which a compile
+    whose row count is data-dependent (the graph pass's settings) cannot evaluate."""
+    return F.pad(t.detach().reshape(-1).float().abs(), (0, 1)).amax()
+
+
 class FP8Linear(_CheckedStateDict, nn.Module):
     """A linear layer with block-quantised fp8 weights: ``y = x @ W^T (+ bias)``.
 
@@ -219,8 +227,8 @@ class FP8Linear(_CheckedStateDict, nn.Module):
         if x.device != weight.device:
             fail(ValueError, "x", f"a tensor on {weight.device} (the device of the weights)", x.device)
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        if self._observer is not None and x2.numel():
-            self._observer.copy_(torch.maximum(self._observer, x2.detach().float().abs().amax()))
+        if self._observer is not None:
+            self._observer.copy_(torch.maximum(self._observer, _abs_max(x2)))
         act_scale = self.activation_scale if self.activation_scheme == "static" else None
         y = torch.ops.fp8_moe.linear(x2, weight, self.weight_scale_inv, self._block_size, act_scale)
         if self.bias is not None:
@@ -439,9 +447,8 @@ class FP8Experts(_CheckedStateDict, nn.Module):
         return out.to(hidden_states.dtype)
 
     def _observe(self, e: int, x: torch.Tensor, a: torch.Tensor) -> None:
-        if x.numel():
-            self._observer[0, e] = torch.maximum(self._observer[0, e], x.detach().float().abs().amax())
-            self._observer[1, e] = torch.maximum(self._observer[1, e], a.detach().float().abs().amax())
+        self._observer[0, e] = torch.maximum(self._observer[0, e], _abs_max(x))
+        self._observer[1, e] = torch.maximum(self._observer[1, e], _abs_max(a))
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
