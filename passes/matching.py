@@ -442,7 +442,7 @@ class Loop:
     nzs: list
     nodes: set  # every node of every iteration (nonzero, body, step)
     targets: list  # nodes the grouped op replaces
-    exact: bool
+    numerics: str  # how the grouped op's result relates to the loop's, for the log
 
 
 def collect_chain(head: Node) -> list:
@@ -513,12 +513,17 @@ def prove(c: Candidate) -> Loop:
         if it.block_size != first.block_size:
             raise Skip(f"mixed block sizes: {first.block_size} and {it.block_size}")
         if it.activation != first.activation:
-            raise Skip(f"experts use different activations: {first.activation.name} and {it.activation.name}")
+            a, b = first.activation, it.activation
+            raise Skip(f"experts use different activations: {a.name} (swiglu_limit {a.limit}) and {b.name} "
+                       f"(swiglu_limit {b.limit})" if a.name == b.name else
+                       f"experts use different activations: {a.name} and {b.name}")
         if (it.up is None) != (first.up is None):
             raise Skip("some experts use fused gate_up weights, others separate gate and up")
     ids = sorted(it.expert for it in iters)
     if ids != list(range(len(iters))):
         raise Skip(f"the loop does not visit experts 0..E-1 once each (visits {ids})")
+    # the grouped op adds a token's experts in ascending id: the loop's order if it visits them so
+    in_order = [it.expert for it in iters] == ids
     iters.sort(key=lambda it: it.expert)
 
     hidden_dtype = _dtype(first.hidden)
@@ -538,4 +543,10 @@ def prove(c: Candidate) -> Loop:
             raise Skip(f"the float32 accumulator is used in float32, not only cast back to {hidden_dtype}")
     else:
         raise Skip(f"the accumulator dtype {acc_dtype} is neither float32 nor the hidden dtype {hidden_dtype}")
-    return Loop(steps, iters, [it.nz for it in iters], nodes, targets, all(it.exact for it in iters))
+    if not all(it.exact for it in iters):
+        numerics = "more accurate than the loop: fewer roundings"
+    elif in_order:
+        numerics = "bitwise equal to eager"
+    else:
+        numerics = "equal to eager up to the order of each token's float32 sum (the loop adds experts in another order)"
+    return Loop(steps, iters, [it.nz for it in iters], nodes, targets, numerics)

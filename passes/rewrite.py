@@ -14,6 +14,8 @@ import torch
 from torch._dynamo.utils import counters
 from torch.fx import Graph, Node
 
+import fp8_moe_ops.ops
+
 from .matching import (
     ACCUMULATIONS, GROUPED, GROUPED_LIST, LINEAR, META_ASSERT, Loop, Skip, accumulation_step, aten, collect_chain,
     find_loop, is_call, prove, same_size,
@@ -112,10 +114,15 @@ def _rewrite(graph: Graph, loop: Loop) -> str:
     fake_mode = detect_fake_mode([n.meta["val"] for n in head])
     fakes = [_fake(gm, fake_mode, o) for o in operands]
     name, limit = first.activation.name, first.activation.limit
+    args = (*[n.meta["val"] for n in head], *fakes, bs, name, None, None, limit)
+    check = fp8_moe_ops.ops.check_experts if op is GROUPED else fp8_moe_ops.ops.check_experts_list
     try:
+        # the op's own checks (never insert a call it rejects), first called directly:
+        # raised inside the fake kernel, a TypeError also reaches torch's log as an error
+        check(*args)
         with fake_mode:
-            out_val = op(*[n.meta["val"] for n in head], *fakes, bs, name, None, None, limit)
-    except (TypeError, ValueError) as exc:  # the op's own checks: never insert a call it rejects
+            out_val = op(*args)
+    except (TypeError, ValueError) as exc:
         raise Skip(f"{op.name()} rejects the loop's operands: {exc}") from exc
 
     placeholders = list(graph.find_nodes(op="placeholder"))
@@ -225,6 +232,5 @@ def rewrite_moe_loops(graph: Graph) -> int:
         done += 1
         log.info("fp8_moe_ops.passes: replaced a loop over %d experts with %s "
                  "(activation=%s, swiglu_limit=%s, %s)", len(steps), op, loop.iters[0].activation.name,
-                 loop.iters[0].activation.limit, "bitwise equal to eager" if loop.exact else
-                 "more accurate than the loop: fewer roundings")
+                 loop.iters[0].activation.limit, loop.numerics)
     return done

@@ -12,12 +12,14 @@ import pytest
 import torch
 import torch._inductor.config as inductor_config
 from expecttest import TestCase
+from torch import nn
 
+from fp8_moe_ops import FP8Linear, reference
 from fp8_moe_ops.passes import MoELoopPass
 from fp8_moe_ops.passes.activations import _gelu_tanh_formula
 from test_pass_common import (
-    Loop, MixtralLoop, count_linear, error_vs, experts, fp8_counters, fresh_counters, ideal_output, inputs,
-    post_grad,
+    BLOCK, H, I, Loop, MixtralLoop, count_linear, error_vs, experts, fp8_counters, fresh_counters, ideal_output,
+    inputs, post_grad,
 )
 
 pytestmark = pytest.mark.slow
@@ -102,10 +104,44 @@ class TestNearMisses(TestCase):
         self.assertTrue(torch.equal(out, ref_out))
         self.assertEqual(aux, ref_aux)
 
+    def test_experts_with_different_swiglu_limits_say_so(self):
+        class PerExpertLimit(Loop):  # expert 1 clamps at 0.5, the others at 0.25
+            def forward(self, *args):
+                self.calls = 0
+                return super().forward(*args)
+
+            def _act(self, h):
+                self.calls += 1
+                return reference.gated_activation(h, "silu", 0.5 if self.calls == 2 else 0.25)
+
+        # the reason read "different activations: silu and silu"
+        self._assert_untouched(PerExpertLimit(experts()), inputs(8, seed=15),
+                               "silu (swiglu_limit 0.25) and silu (swiglu_limit 0.5)")
+
+    def test_operands_the_op_rejects_leave_no_error_in_torchs_log(self):
+        # the op's checks ran inside its fake kernel, where torch logs a TypeError as an
+        # error with its traceback before the pass could catch it
+        m = MixtralLoop()
+        m.experts[1].w1 = FP8Linear.from_float(nn.Linear(H, I, bias=False), BLOCK, scale_dtype=torch.float8_e8m0fnu)
+        with self.assertNoLogs("torch._subclasses.fake_tensor", level="ERROR"):
+            self._assert_untouched(m, inputs(8, seed=16), "rejects the loop's operands")
+
 
 class TestEquivalentSpellings(TestCase):
     def test_silu_as_x_sigmoid_x(self):
         self._rewritten_close(dict(split="slice", act_fn=lambda g: g * torch.sigmoid(g)), "silu")
+
+    def test_experts_in_another_order_rewritten_and_not_called_bitwise(self):
+        args = inputs(8, seed=17, dtype=torch.float32)
+        for order, numerics in (([0, 1, 2, 3], "bitwise equal to eager"),
+                                ([3, 2, 1, 0], "equal to eager up to the order of each token's float32 sum")):
+            m = Loop(experts(), experts=order)
+            with self.subTest(order), fresh_counters(), \
+                    self.assertLogs("fp8_moe_ops.passes", level="INFO") as logs:
+                out, _ = post_grad(m, *args)
+            self.assertEqual(fp8_counters(), {"loops_rewritten": 1})
+            self.assertIn(numerics, logs.output[0])
+            torch.testing.assert_close(out, m(*args), rtol=1e-6, atol=1e-6)
 
     def test_gelu_new_formula(self):
         self._rewritten_close(dict(split="slice", act_fn=_gelu_tanh_formula), "gelu_tanh")
