@@ -13,6 +13,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 SCALE_DTYPES = (torch.float32, torch.float8_e8m0fnu)
+ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # activations, routing weights
+INDEX_DTYPES = (torch.int32, torch.int64)  # expert ids
 
 
 def fail(exc: type[Exception], name: str, expected: str, got: object) -> None:

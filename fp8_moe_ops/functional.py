@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from ._checks import check_swiglu_limit
+from ._checks import ACT_DTYPES, check_choice, check_swiglu_limit
 from .routing import combine, sort_slots
 
 __all__ = ["ACTIVATIONS", "FP8_MAX", "cdiv", "gated_activation", "grouped_pipeline", "batched_pipeline"]
@@ -39,7 +39,7 @@ def next_power_of_2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-_H_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_H_DTYPES = (*ACT_DTYPES, torch.float64)  # gated_activation's h: float64 too, fp8 dtypes not
 
 
 def gated_activation(h: torch.Tensor, activation: str, swiglu_limit: float | None = None) -> torch.Tensor:
@@ -48,9 +48,7 @@ def gated_activation(h: torch.Tensor, activation: str, swiglu_limit: float | Non
     Computed in float32 from the rounded ``h`` and rounded once to ``h.dtype``, the
     rounding of an unfused loop; ``swiglu_limit`` clamps gate (max) and up (both
     sides) first, as transformers' experts do."""
-    fn = _ACT_FNS.get(activation) if isinstance(activation, str) else None
-    if fn is None:
-        raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {activation!r}")
+    fn = _ACT_FNS[check_choice("activation", activation, ACTIVATIONS)]
     if not isinstance(h, torch.Tensor) or h.dtype not in _H_DTYPES:
         got = h.dtype if isinstance(h, torch.Tensor) else type(h).__name__
         raise TypeError(f"h: expected a float16/bfloat16/float32/float64 tensor (the gate_up product), got {got}")

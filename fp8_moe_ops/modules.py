@@ -23,6 +23,8 @@ from torch.nn import functional as F
 
 from . import ops
 from ._checks import (
+    ACT_DTYPES,
+    INDEX_DTYPES,
     check_block_size,
     check_choice,
     check_positive_int,
@@ -40,8 +42,6 @@ from .quantization import quantize_named
 
 SCHEMES = ("dynamic", "static")
 DISPATCHES = ("eager", "grouped", "batched")
-_ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 def _frozen(t: torch.Tensor) -> nn.Parameter:
@@ -79,7 +79,7 @@ def _fixed(name: str) -> property:
 def _check_activations(name: str, x: object, last_dim: int, last_dim_name: str) -> None:
     if not isinstance(x, torch.Tensor):
         fail(TypeError, name, "a Tensor", type(x).__name__)
-    if x.dtype not in _ACT_DTYPES:
+    if x.dtype not in ACT_DTYPES:
         fail(TypeError, name, "dtype bfloat16, float16 or float32", x.dtype)
     if x.dim() < 1 or x.shape[-1] != last_dim:
         fail(ValueError, name, f"shape (..., {last_dim}) (last dim = {last_dim_name})", shape_str(x))
@@ -370,7 +370,7 @@ class FP8Experts(_CheckedStateDict, nn.Module):
         lead = tuple(hidden_states.shape[:-1])
         if not isinstance(top_k_index, torch.Tensor):
             fail(TypeError, "top_k_index", "a Tensor", type(top_k_index).__name__)
-        if top_k_index.dtype not in _INDEX_DTYPES:
+        if top_k_index.dtype not in INDEX_DTYPES:
             fail(TypeError, "top_k_index", "dtype torch.int32 or torch.int64 (expert ids)", top_k_index.dtype)
         def index_shape() -> str:
             return f"shape {lead + ('top_k',)} (leading dims of hidden_states, top_k >= 1)"
@@ -380,7 +380,7 @@ class FP8Experts(_CheckedStateDict, nn.Module):
         check_sizes("top_k_index", top_k_index.shape[:-1], lead, index_shape, top_k_index)
         if not isinstance(top_k_weights, torch.Tensor):
             fail(TypeError, "top_k_weights", "a Tensor", type(top_k_weights).__name__)
-        if top_k_weights.dtype not in _ACT_DTYPES:
+        if top_k_weights.dtype not in ACT_DTYPES:
             fail(TypeError, "top_k_weights", "dtype bfloat16, float16 or float32 (routing weights)",
                  top_k_weights.dtype)
         check_sizes("top_k_weights", top_k_weights.shape, top_k_index.shape,

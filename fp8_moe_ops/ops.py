@@ -28,12 +28,10 @@ from typing import NamedTuple
 import torch
 
 from . import reference
-from ._checks import (SCALE_DTYPES, check_block_size, check_scale_values, check_sizes, fail, keep_newest, meta_key,
-                      metadata_guard, shape_str)
+from ._checks import (ACT_DTYPES, INDEX_DTYPES, SCALE_DTYPES, check_block_size, check_scale_values, check_sizes,
+                      fail, keep_newest, meta_key, metadata_guard, shape_str)
 from .functional import ACTIVATIONS, cdiv
 
-_ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_INDEX_DTYPES = (torch.int32, torch.int64)
 
 _GEMM_TAIL = "SymInt[2] block_size, Tensor? act_scale=None, ScalarType? out_dtype=None) -> Tensor"
 LINEAR_SCHEMA = "(Tensor x, Tensor w, Tensor w_scale_inv, " + _GEMM_TAIL
@@ -57,7 +55,7 @@ def _check_tensor(name: str, t: object) -> None:
 
 def _check_act(name: str, x: torch.Tensor, rank: int = 2) -> None:
     _check_tensor(name, x)
-    if x.dtype not in _ACT_DTYPES:
+    if x.dtype not in ACT_DTYPES:
         fail(TypeError, name, "dtype bfloat16, float16 or float32", x.dtype)
     if x.dim() != rank:
         fail(ValueError, name, f"a {rank}-D tensor", shape_str(x))
@@ -88,7 +86,7 @@ def _check_weight(name: str, w: torch.Tensor, scale_name: str, scale: torch.Tens
 
 
 def _check_out_dtype(out_dtype: torch.dtype | None) -> None:
-    if out_dtype is not None and out_dtype not in _ACT_DTYPES:
+    if out_dtype is not None and out_dtype not in ACT_DTYPES:
         fail(TypeError, "out_dtype", "None, bfloat16, float16 or float32", out_dtype)
 
 
@@ -146,7 +144,7 @@ def check_grouped_mm(x, w, w_scale_inv, offsets, block_size, act_scale=None, out
 def check_batched_mm(x, w, w_scale_inv, expert_ids, block_size, act_scale=None, out_dtype=None) -> None:
     _check_expert_gemm(x, w, w_scale_inv, block_size, act_scale, out_dtype)
     _check_tensor("expert_ids", expert_ids)
-    if expert_ids.dtype not in _INDEX_DTYPES:
+    if expert_ids.dtype not in INDEX_DTYPES:
         fail(TypeError, "expert_ids", "dtype torch.int32 or torch.int64", expert_ids.dtype)
     check_sizes("expert_ids", expert_ids.shape, (x.shape[0],),
                 lambda: f"shape ({x.shape[0]},) (one expert per row of x)", expert_ids)
@@ -159,14 +157,14 @@ def _check_routing(hidden, top_k_index, top_k_weights) -> None:
     T = hidden.shape[0]
     _check_tensor("top_k_index", top_k_index)
     _check_tensor("top_k_weights", top_k_weights)
-    if top_k_index.dtype not in _INDEX_DTYPES:
+    if top_k_index.dtype not in INDEX_DTYPES:
         fail(TypeError, "top_k_index", "dtype torch.int32 or torch.int64", top_k_index.dtype)
     if top_k_index.dim() != 2:
         fail(ValueError, "top_k_index", f"shape ({T}, top_k) (T from hidden)", shape_str(top_k_index))
     check_sizes("top_k_index", top_k_index.shape[:1], (T,), lambda: f"shape ({T}, top_k) (T from hidden)", top_k_index)
     if top_k_index.shape[1] == 0:
         fail(ValueError, "top_k_index", "top_k >= 1", shape_str(top_k_index))
-    if not top_k_weights.is_floating_point() or top_k_weights.dtype not in _ACT_DTYPES:
+    if not top_k_weights.is_floating_point() or top_k_weights.dtype not in ACT_DTYPES:
         fail(TypeError, "top_k_weights", "dtype bfloat16, float16 or float32", top_k_weights.dtype)
     check_sizes("top_k_weights", top_k_weights.shape, top_k_index.shape,
                 lambda: f"shape {tuple(top_k_index.shape)} (that of top_k_index)", top_k_weights)

@@ -71,4 +71,3 @@ def quantize_named(w: torch.Tensor, block_size: Sequence[int] | None, scale_dtyp
             fail(ValueError, name, f"|w| below {_E8M0_LIMIT:.4g} for UE8M0 scales (such a block's largest value "
                  "rounds to 256 * 2^120, which overflows float32 when dequantised)", f"max |w| {amax:.4g}")
     return reference.quantize_weight_blockwise(w, tuple(int(b) for b in block_size), scale_dtype)
-

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from ._checks import _is_int, fail
+
 
 def _sort_key(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(key, valid): ids as int64 with every sentinel mapped to E (sorts last)."""
@@ -37,10 +39,10 @@ def sort_slots(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor
     """
     if not isinstance(expert_ids, torch.Tensor) or expert_ids.is_floating_point() or expert_ids.is_complex() \
             or expert_ids.dtype == torch.bool:
-        got = expert_ids.dtype if isinstance(expert_ids, torch.Tensor) else type(expert_ids).__name__
-        raise TypeError(f"expert_ids: expected an integer tensor (expert ids), got {got}")
-    if isinstance(num_experts, bool) or not isinstance(num_experts, (int, torch.SymInt)) or num_experts < 0:
-        raise TypeError(f"num_experts: expected a non-negative int, got {num_experts!r}")
+        fail(TypeError, "expert_ids", "an integer tensor (expert ids)",
+             expert_ids.dtype if isinstance(expert_ids, torch.Tensor) else type(expert_ids).__name__)
+    if not _is_int(num_experts) or num_experts < 0:
+        fail(TypeError, "num_experts", "a non-negative int", repr(num_experts))
     key, _ = _sort_key(expert_ids.reshape(-1), num_experts)
     sorted_key, perm = torch.sort(key, stable=True)
     # offsets[e] = number of slots with key <= e = first sorted position with key > e
