@@ -6,12 +6,16 @@ import ast
 import os
 import subprocess
 import sys
+from fractions import Fraction
 from pathlib import Path
 
 import torch
+import triton
+import triton.language as tl
 
 import fp8_moe_ops
 from fp8_moe_ops import reference
+from fp8_moe_ops.kernels.quant import divide_by_reciprocal, fma_rn
 
 # The benchmark layers (bench/ measures them; tests do not import bench/): E, H, I, top_k.
 MODELS = {
@@ -246,3 +250,135 @@ def with_split_k(gemm_config, split: int, rows: int | None = None):
         return cfg
 
     return config
+
+
+# --------------------------------------------------------------------------- float32 division and fma
+
+
+@triton.jit
+def _elementwise_kernel(a_ptr, b_ptr, c_ptr, out_ptr, n, FMA: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    a = tl.load(a_ptr + offs, mask=m, other=1.0)
+    b = tl.load(b_ptr + offs, mask=m, other=1.0)
+    if FMA:
+        out = fma_rn(a, b, tl.load(c_ptr + offs, mask=m, other=0.0))
+    else:
+        out = divide_by_reciprocal(a, b, tl.math.div_rn(1.0, b))
+    tl.store(out_ptr + offs, out, mask=m)
+
+
+def run_elementwise(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor | None = None) -> torch.Tensor:
+    """The kernels' ``fma_rn(a, b, c)`` (given c) or ``divide_by_reciprocal(a, b, 1 / b)``
+    (the reciprocal IEEE), elementwise over float32 vectors, on their device."""
+    out = torch.empty_like(a)
+    block = 1024
+    _elementwise_kernel[(triton.cdiv(a.numel(), block),)](a, b, a if c is None else c, out, a.numel(),
+                                                          FMA=c is not None, BLOCK=block)
+    return out
+
+
+def division_matches(got: torch.Tensor, x: torch.Tensor, d: torch.Tensor) -> bool:
+    """Whether ``got`` is x / d as IEEE divides (float32, on the CPU): bitwise where the
+    quotient is zero or normal; below float32's normal range (where ``divide_by_reciprocal``
+    leaves the last bits to chance) below 2^-60 and of the quotient's sign, which every
+    quantisation turns into the same signed zero."""
+    want = x / d
+    exact = (want == 0) | (want.abs() >= 2.0 ** -126)
+    tiny = ~exact
+    return (torch.equal(got[exact].view(torch.int32), want[exact].view(torch.int32))
+            and bool((got[tiny].abs() < 2.0 ** -60).all())
+            and torch.equal(got[tiny].signbit(), want[tiny].signbit()))
+
+
+def _float32(sign, exp, mantissa) -> torch.Tensor:
+    return (((exp + 127) << 23) | mantissa).to(torch.int32).view(torch.float32) * sign
+
+
+def division_cases(n: int = 20000, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 (x, d) pairs within ``divide_by_reciprocal``'s bounds (d in [2^-40, 2^40],
+    |x| at most 2^50): random bits over those binades, mantissas of all
+    ones and of a few low bits (the quotients nearest a power of two), x / d on an
+    e4m3 grid point or midpoint and one float32 either side of it, signed zeros,
+    subnormal and tiny x, and the bounds themselves."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def ints(lo, hi):
+        return torch.randint(lo, hi, (n,), generator=gen)
+
+    def mantissas():
+        kind = ints(0, 3)
+        low = ints(0, 64)
+        return torch.where(kind == 0, ints(0, 1 << 23), torch.where(kind == 1, (1 << 23) - 1 - low, low))
+
+    sign = torch.where(ints(0, 2) == 0, -1.0, 1.0)
+    x = _float32(sign, ints(-100, 50), mantissas())
+    d = _float32(1.0, ints(-40, 40), mantissas())
+    e4m3 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    e4m3 = e4m3[torch.isfinite(e4m3)].unique()
+    targets = torch.cat([e4m3, (e4m3[1:] + e4m3[:-1]) / 2])
+    on_grid = targets[ints(0, targets.numel())[: n // 2]] * d[: n // 2]
+    away = torch.where(ints(0, 2)[: n // 2] == 0, -float("inf"), float("inf"))
+    near = torch.cat([on_grid, torch.nextafter(on_grid, away)])
+    special_x = torch.tensor([0.0, -0.0, 1e-45, -1e-45, 1e-40, -2.0 ** -110, 2.0 ** -100, 2.0 ** 50, -2.0 ** 50,
+                              -(2.0 ** 50 - 2.0 ** 26)])
+    special_d = torch.tensor([2.0 ** -40, 2.0 ** 40, 1.0, 3.0, 1.0 / 448, 1.7e-10, 2.0 ** 40 - 2.0 ** 16])
+    sx, sd = torch.cartesian_prod(special_x, special_d).unbind(1)
+    return torch.cat([x, near, sx]), torch.cat([d, d[: n // 2], d[: n // 2], sd])
+
+
+def _round_to_float32(v: Fraction) -> float:
+    """v rounded to the nearest float32, ties to even (no overflow)."""
+    c = torch.tensor(float(v), dtype=torch.float32)
+    around = [torch.nextafter(c, torch.tensor(-float("inf"))), c, torch.nextafter(c, torch.tensor(float("inf")))]
+    return min(around, key=lambda f: (abs(Fraction(f.item()) - v), f.view(torch.int32).item() & 1)).item()
+
+
+def fma_cases(n: int = 1000, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float32 (a, b, c) with ``a * b + c`` rounded once (the fourth tensor, computed
+    exactly): random operands with c cancelling most of a * b, or far smaller than it,
+    and two where rounding the product first goes wrong (twice rounded: 2^-11 instead
+    of 2^-11 + 2^-24; and a sum just past a float32 tie that float64 rounds onto it)."""
+    gen = torch.Generator().manual_seed(seed)
+    a = torch.randn(n, generator=gen) * 2.0 ** torch.randint(-20, 20, (n,), generator=gen)
+    b = torch.randn(n, generator=gen) * 2.0 ** torch.randint(-20, 20, (n,), generator=gen)
+    ab = a * b
+    perturb = torch.randn(n, generator=gen) * 2.0 ** torch.randint(-90, -10, (n,), generator=gen)
+    c = torch.where(torch.arange(n) % 2 == 0, -ab * (1 + perturb.clamp(-1e-3, 1e-3)), ab * perturb)
+    a = torch.cat([a, torch.tensor([1 + 2.0 ** -12, 1 + 2.0 ** -23])])
+    b = torch.cat([b, torch.tensor([1 + 2.0 ** -12, 1 - 2.0 ** -24])])
+    c = torch.cat([c, torch.tensor([-1.0, 2.0 ** -47 + 2.0 ** -70])])
+    want = torch.tensor([_round_to_float32(Fraction(x) * Fraction(y) + Fraction(z))
+                         for x, y, z in zip(a.tolist(), b.tolist(), c.tolist())])
+    return a, b, c, want
+
+
+# static scales inside divide_by_reciprocal's bounds (including them: 2^+-40) and outside
+# (the kernels divide those blocks with div_rn): 2^+-41, a subnormal, near float32's max,
+# a negative one
+STATIC_SCALES = (1.0, 3.0, 0.1, 0.0123 / 448, 1 - 2.0 ** -24, 1.5 * 2.0 ** 39, 2.0 ** -40, 2.0 ** 40, 2.0 ** -41,
+                 2.0 ** 41, 1e-40, 3e38, -3.0)
+
+
+def static_scale_cases(group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows of ``group`` values for each expert e of ``STATIC_SCALES``: quotients by its
+    scale on every e4m3 value and midpoint and one float32 either side (ties, roundings
+    across a power of two, subnormals, saturation), signed zeros and infinities.  Row
+    counts are not multiples of a row block, so blocks mix experts and scales.  At the
+    largest scales the largest quotients' dividends pass 2^50, where the kernels clamp
+    them.
+    Returns (x (R, group), offsets (E,) int32 inclusive row ends, scales (E,))."""
+    e4m3 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    e4m3 = e4m3[torch.isfinite(e4m3)].unique()
+    mids = (e4m3[1:] + e4m3[:-1]) / 2
+    quotients = torch.cat([e4m3, mids, torch.tensor([0.0, -0.0, 500.0, -1e6, float("inf"), -float("inf")])])
+    xs, ends = [], []
+    for i, s in enumerate(STATIC_SCALES):
+        x = quotients * s
+        inf = torch.tensor(float("inf"))
+        x = torch.cat([x, torch.nextafter(x, inf), torch.nextafter(x, -inf)])
+        x = torch.cat([x, x.new_zeros(-x.numel() % group)]).view(-1, group)
+        x = torch.cat([x, x[: i + 3]])
+        xs.append(x)
+        ends.append((ends[-1] if ends else 0) + x.shape[0])
+    return torch.cat(xs), torch.tensor(ends, dtype=torch.int32), torch.tensor(STATIC_SCALES)

@@ -374,10 +374,11 @@ def test_kernel_resources_compiles_a_launch_for_sm90_without_a_gpu():
     for res in (act, combine):
         assert res["warps"] == 4 and 0 < res["registers"] <= 255 and res["spill_bytes"] == 0
         assert res["shared_bytes"] >= 0 and res["instructions"] > 100
-    # 16 x 16 elements over 128 threads: each thread's two quotients by its row's scale
-    # (silu's division is an approximate reciprocal on the GPU), and the scale's own
-    # division by 448; the combine divides nothing
-    assert (act["divisions"], combine["divisions"]) == (3, 0)
+    # 16 x 16 elements over 128 threads: each thread's two quotients by its row's scale in
+    # the branch for scales past the reciprocal's bounds, the reciprocal of the other
+    # (quant.reciprocals; silu's division is an approximate reciprocal on the GPU), and the
+    # scale's own division by 448; the combine divides nothing
+    assert (act["divisions"], combine["divisions"]) == (4, 0)
 
 
 def test_decode_forms_fit_their_programs_per_sm_on_sm90():

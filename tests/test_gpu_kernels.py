@@ -5,7 +5,10 @@ Marked ``gpu``; skipped without a CUDA device.  On the H200:
 comes from a seeded generator, so a failure reproduces.  What is checked:
 
 * activation quantisation (dynamic and static): bytes and scales bitwise equal to the
-  reference's, on random data and on every e4m3 rounding case; NaN where the
+  reference's, on random data and on every e4m3 rounding case, at static scales inside
+  and outside the fast division's bounds and dynamic groups of extreme magnitudes;
+  the fast division (reciprocal once, two fma steps) bitwise equal to torch's IEEE
+  division on adversarial pairs, and the fma instruction rounding once; NaN where the
   reference's is NaN for NaN and infinite inputs, and a NaN token's output row NaN;
 * linear / grouped_mm / batched_mm / grouped_experts / batched_experts through
   ``torch.ops.fp8_moe`` on CUDA vs the same op on CPU, at adversarial shapes, static
@@ -34,8 +37,9 @@ from fp8_moe_ops import kernels
 from fp8_moe_ops.kernels import experts, moe
 from fp8_moe_ops.kernels.experts import ARG_NAMES, ExpertsPlan
 
-from helpers import (EXPERTS_BOUND, GEMM_BOUND, MODELS, make_expert_weights, make_experts_inputs, make_routing,
-                     poison_free_memory, rel_err, uneven_offsets, with_split_k)
+from helpers import (EXPERTS_BOUND, GEMM_BOUND, MODELS, division_cases, division_matches, fma_cases,
+                     make_expert_weights, make_experts_inputs, make_routing, poison_free_memory, rel_err,
+                     run_elementwise, static_scale_cases, uneven_offsets, with_split_k)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -72,6 +76,64 @@ def test_static_quantisation_every_rounding_case_bitwise():
     q, _ = moe._quantize(x.cuda(), 128, x.shape[0], offsets=torch.tensor([x.shape[0]], dtype=torch.int32).cuda(),
                          act_scale=one.cuda())
     assert torch.equal(q.cpu().view(torch.uint8), reference.quantize_act_static(x, one).view(torch.uint8))
+
+
+def test_fma_rounds_once_and_division_by_reciprocal_is_ieee_bitwise():
+    a, b, c, want = fma_cases()
+    assert torch.equal(run_elementwise(a.cuda(), b.cuda(), c.cuda()).cpu().view(torch.int32), want.view(torch.int32))
+    x, d = division_cases(200000)
+    assert division_matches(run_elementwise(x.cuda(), d.cuda()).cpu(), x, d)
+
+
+def test_static_quantisation_at_any_scale_bitwise():
+    x, offsets, scales = static_scale_cases(128)
+    rows = torch.searchsorted(offsets, torch.arange(x.shape[0]), right=True)
+    q, _ = moe._quantize(x.cuda(), 128, x.shape[0], offsets=offsets.cuda(), act_scale=scales.cuda())
+    ref = reference.quantize_act_static(x, scales[rows][:, None])
+    assert torch.equal(q.cpu().view(torch.uint8), ref.view(torch.uint8))
+    # each token into its slots (the prefill path), slot 1 with another expert's scale
+    T, E = x.shape[0], scales.numel()
+    ids = torch.stack([rows, (rows * 5 + 1) % E, torch.full_like(rows, -1)], 1).to(torch.int32)
+    q = torch.zeros(T * 3, 128, dtype=FP8, device="cuda")
+    moe.launch(moe._quant_call(x.cuda(), q, scales.cuda(), T, 128, static=True, topk=3, ids=ids.cuda(),
+                               num_experts=E))
+    q = q.cpu().view(T, 3, 128)
+    for j in range(2):
+        ref = reference.quantize_act_static(x, scales[ids[:, j].long()][:, None])
+        assert torch.equal(q[:, j].view(torch.uint8), ref.view(torch.uint8)), j
+
+
+def test_static_slot_quantisation_looping_over_k_groups_bitwise():
+    # a prefill-sized launch (2048 tokens x 8 slots, 16 K groups of 128): its programs take
+    # 2 groups each (quant.groups_per_program), stored at each slot's sorted row; scales
+    # in the reciprocal's bounds, one expert's past them
+    gen = torch.Generator().manual_seed(11)
+    T, k, E, K = 2048, 8, 128, 2048
+    x = (torch.randn(T, K, generator=gen) * torch.logspace(-4, 2, K)).to(torch.bfloat16)
+    scales = torch.rand(E, generator=gen) * 0.01 + 0.01
+    scales[7] = 2.0 ** 41
+    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)]).to(torch.int32)
+    dest = torch.randperm(T * k, generator=gen).to(torch.int32)
+    q = torch.zeros(T * k, K, dtype=FP8, device="cuda")
+    call = moe._quant_call(x.cuda(), q, scales.cuda(), T, 128, static=True, topk=k, ids=ids.cuda(), num_experts=E,
+                           dest=dest.cuda())
+    assert call.constexprs["GPP"] == 2
+    moe.launch(call)
+    q = q.cpu()[dest.long()].view(T, k, K)
+    for j in range(k):
+        ref = reference.quantize_act_static(x, scales[ids[:, j].long()][:, None])
+        assert torch.equal(q[:, j].view(torch.uint8), ref.view(torch.uint8)), j
+
+
+def test_dynamic_quantisation_of_extreme_magnitudes_bitwise():
+    gen = torch.Generator().manual_seed(5)
+    mags = torch.tensor([2.0 ** -70, 2.0 ** -52, 1e-30, 1.0, 2.0 ** 51, 1e30, 2.0 ** 70, 3e36])
+    x = (torch.randn(64, 512, generator=gen) * mags.repeat(8)[:, None])
+    x[:, 128:256] *= 2.0 ** -20
+    q, s = moe._quantize(x.cuda(), 128, 64)
+    rq, rs = reference.quantize_act_dynamic(x, 128)
+    assert torch.equal(q.cpu().view(torch.uint8), rq.view(torch.uint8))
+    assert torch.equal(s.cpu(), rs)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)

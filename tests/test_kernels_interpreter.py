@@ -31,15 +31,16 @@ import torch
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from helpers import (FAKE_HEAD, make_expert_weights, make_routing, record_with_fake_launchers, rel_err,
-                     replay_keeping_workspace, with_split_k)
+from helpers import (FAKE_HEAD, division_cases, division_matches, fma_cases, make_expert_weights, make_routing,
+                     record_with_fake_launchers, rel_err, replay_keeping_workspace, run_elementwise,
+                     static_scale_cases, with_split_k)
 
 INTERPRETED = isinstance(tl.cdiv, InterpretedFunction)
 if INTERPRETED:
     import triton
 
     from fp8_moe_ops import kernels, reference
-    from fp8_moe_ops.kernels import experts, moe
+    from fp8_moe_ops.kernels import experts, moe, quant
     from fp8_moe_ops.kernels.grouped_gemm import _grouped_gemm_kernel
     from fp8_moe_ops.kernels import sort
     from fp8_moe_ops.kernels.sort import _sort_quant_kernel
@@ -119,6 +120,104 @@ def test_static_quantisation_rounds_like_torch_bitwise():
     q, _ = moe._quantize(x, 16, x.shape[0], offsets=offsets, act_scale=scale)
     ref = reference.quantize_act_static(x, scale)
     assert torch.equal(q.view(torch.uint8), ref.view(torch.uint8))
+
+
+def test_fma_rn_rounds_once():
+    # the interpreter's tl.fma rounds the product first: fma_rn must not
+    a, b, c, want = fma_cases()
+    assert torch.equal(run_elementwise(a, b, c).view(torch.int32), want.view(torch.int32))
+    assert not torch.equal((a * b + c).view(torch.int32), want.view(torch.int32))
+
+
+def test_division_by_reciprocal_is_ieee_bitwise():
+    # the quantisations' division: reciprocal once, two fma steps; torch's CPU division is IEEE
+    x, d = division_cases()
+    assert division_matches(run_elementwise(x, d), x, d)
+    assert not division_matches(x * (1 / d), x, d)
+
+
+def _row_scales(offsets, scales, rows):
+    return scales[torch.searchsorted(offsets, torch.arange(rows), right=True)][:, None]
+
+
+def test_static_quantisation_at_any_scale_bitwise():
+    # scales inside the fast division's bounds and outside them, several in a row block
+    x, offsets, scales = static_scale_cases(16)
+    q, _ = moe._quantize(x, 16, x.shape[0], offsets=offsets, act_scale=scales)
+    ref = reference.quantize_act_static(x, _row_scales(offsets, scales, x.shape[0]))
+    assert torch.equal(q.view(torch.uint8), ref.view(torch.uint8))
+
+
+def test_static_slot_quantisation_at_any_scale_bitwise():
+    # each token into its slots (the prefill path): slot 0 with its rows' scale (quotients
+    # on the rounding boundaries), slot 1 another expert's, slot 2 no expert (skipped)
+    x, offsets, scales = static_scale_cases(16)
+    T, E = x.shape[0], scales.numel()
+    own = torch.searchsorted(offsets, torch.arange(T), right=True)
+    ids = torch.stack([own, (own * 5 + 1) % E, torch.full_like(own, -1)], 1).to(torch.int32)
+    q = torch.zeros(T * 3, 16, dtype=FP8)
+    moe.launch(moe._quant_call(x, q, scales, T, 16, static=True, topk=3, ids=ids, num_experts=E))
+    q = q.view(T, 3, 16)
+    for j in range(2):
+        ref = reference.quantize_act_static(x, scales[ids[:, j].long()][:, None])
+        assert torch.equal(q[:, j].view(torch.uint8), ref.view(torch.uint8)), j
+    assert not q[:, 2].view(torch.uint8).any()
+
+
+def test_dynamic_quantisation_of_extreme_magnitudes_bitwise():
+    # group scales inside the fast division's bounds, at them and past them (2^-70, 2^70)
+    gen = torch.Generator().manual_seed(5)
+    mags = torch.tensor([2.0 ** -70, 2.0 ** -52, 1e-30, 1.0, 2.0 ** 51, 1e30, 2.0 ** 70, 3e36])
+    x = torch.randn(8, 64, generator=gen) * mags[:, None]
+    x[:, 16:32] *= 2.0 ** -20  # a group whose scale differs from its neighbours'
+    q, s = moe._quantize(x, 16, 8)
+    rq, rs = reference.quantize_act_dynamic(x, 16)
+    assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
+    assert torch.equal(s, rs)
+
+
+@pytest.mark.parametrize("gpp", [2, 4])
+def test_quantisation_programs_looping_over_k_groups_bitwise(gpp):
+    # at prefill a static program quantises several K groups one after the other (its
+    # rows' indices, experts, scales and reciprocals loaded once: quant.groups_per_program);
+    # at interpreter shapes only with the launch's program floor lowered.  Three groups: 4
+    # a program takes them all and skips a fourth; 2 leaves the second program one to do
+    # and one to skip.  Static slots (scales in and out of the reciprocal's bounds) and
+    # sorted rows; the dynamic forms (slots stored at their sorted rows, and rows) keep a
+    # group a program.
+    x, offsets, scales = static_scale_cases(48)
+    T, E = x.shape[0], scales.numel()
+    own = torch.searchsorted(offsets, torch.arange(T), right=True)
+    ids = torch.stack([own, (own * 5 + 1) % E, torch.full_like(own, -1)], 1).to(torch.int32)
+    dest = torch.randperm(T * 3, generator=torch.Generator().manual_seed(1)).to(torch.int32)
+    gen = torch.Generator().manual_seed(2)
+    xd = torch.randn(T, 48, generator=gen) * torch.logspace(-3, 3, 48)
+    xd[0, :16] = 0  # an all-zero group
+    rq, rs = reference.quantize_act_dynamic(xd, 16)
+    for rows, slots in ((T, 3), (T, 1)):
+        (row_blocks, groups), _, _ = quant.quant_launch_shape(rows, 48, 16, slots)
+        with mock.patch.object(quant, "QUANT_MIN_PROGRAMS", row_blocks * groups // gpp):
+            q = torch.zeros(T * 3, 48, dtype=FP8)
+            qd, sd = torch.zeros(T * 3, 48, dtype=FP8), torch.zeros(T * 3, 3)
+            calls = [moe._quant_call(x, q, scales, T, 16, static=True, topk=3, ids=ids, num_experts=E),
+                     moe._quant_call(xd, qd, sd, T, 16, topk=3, ids=ids, num_experts=E, dest=dest)]
+            if slots == 1:
+                calls = [moe._quant_call(x, q[:T], scales, T, 16, offsets=offsets, static=True),
+                         moe._quant_call(xd, qd[:T], sd[:T], T, 16)]
+            assert [(c.constexprs["GPP"], c.grid[1]) for c in calls] == [(gpp, 3 // gpp + 1), (1, 3)]
+            for call in calls:
+                moe.launch(call)
+        if slots == 3:
+            q = q.view(T, 3, 48)
+            for j in range(2):
+                ref = reference.quantize_act_static(x, scales[ids[:, j].long()][:, None])
+                assert torch.equal(q[:, j].view(torch.uint8), ref.view(torch.uint8)), j
+                assert torch.equal(qd[dest.view(T, 3)[:, j].long()].view(torch.uint8), rq.view(torch.uint8)), j
+                assert torch.equal(sd[dest.view(T, 3)[:, j].long()], rs), j
+        else:
+            ref = reference.quantize_act_static(x, _row_scales(offsets, scales, T))
+            assert torch.equal(q[:T].view(torch.uint8), ref.view(torch.uint8))
+            assert torch.equal(qd[:T].view(torch.uint8), rq.view(torch.uint8)) and torch.equal(sd[:T], rs)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

@@ -151,15 +151,15 @@ def test_experts_launches_by_slot_count(slots, static):
     assert _launch_names(calls) == LAUNCHES[slots]
 
 
-@pytest.mark.parametrize("T,k,static,block_r", [
-    (1, 8, True, 1),      # decode: one token a program (4, three masked, cost 2 us a call on the H200)
-    (3, 8, True, 4),
-    (8192, 8, True, 4),   # 4 tokens x 8 slots x 128 columns: 4096 outputs per program
-    (8192, 2, True, 16),
-    (1, 8, False, 1),     # dynamic: one output per element of x
-    (8192, 8, False, 16),
+@pytest.mark.parametrize("T,k,static,block_r,gpp", [
+    (1, 8, True, 1, 1),      # decode: one token a program (4, three masked, cost 2 us a call on the H200)
+    (3, 8, True, 4, 1),
+    (8192, 8, True, 4, 16),  # 4 tokens x 8 slots x 128 columns: 4096 outputs per K group; 16 of the 56
+    (8192, 2, True, 16, 4),  # groups a program (2048 row blocks x 4 >= 4096 programs), 4 (512 x 14)
+    (1, 8, False, 1, 1),     # dynamic: one output per element of x, one group a program
+    (8192, 8, False, 16, 1),
 ])
-def test_quantisation_programs_take_whole_tokens_and_no_more_rows_than_there_are(T, k, static, block_r):
+def test_quantisation_programs_take_whole_tokens_and_no_more_rows_than_there_are(T, k, static, block_r, gpp):
     # the first launch of the forward quantises x: static, every token into its k slots
     from fp8_moe_ops.kernels import experts
 
@@ -173,4 +173,6 @@ def test_quantisation_programs_take_whole_tokens_and_no_more_rows_than_there_are
         row_programs = quant.grid[0] - sort_programs  # the quantisation's come after the sort's
     else:
         row_programs = quant.grid[0] * quant.grid[1]
-    assert row_programs == -(-T // block_r) * (7168 // 128)
+    # a static launch of its own loops each program over K groups (quant.groups_per_program)
+    assert c.get("GPP", 1) == gpp
+    assert row_programs == -(-T // block_r) * -(-(7168 // 128) // gpp)

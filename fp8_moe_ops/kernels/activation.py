@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from .launch import KernelCall
-from .quant import HW_CASTS, expert_of_rows, quant_launch_shape, quantize_and_store, round_to
+from .quant import NATIVE, expert_of_rows, quant_launch_shape, quantize_and_store, round_to
 
 ACT_IDS = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3}
 
@@ -28,8 +28,8 @@ def _silu(g):
     IEEE division of ``tl.exp``'s result, which took about 18 (the division's Newton
     steps and checks, the exp's range fix-ups).  The gated activation at prefill is bound
     by instructions issued, not bytes moved (docs/benchmarks.md).  The interpreter
-    (``HW_CASTS`` false) has no inline assembly: there the division."""
-    if HW_CASTS:
+    (``NATIVE`` false) has no inline assembly: there the division."""
+    if NATIVE:
         return tl.inline_asm_elementwise(
             """{
             .reg .f32 t;
@@ -58,10 +58,11 @@ def _apply_activation(g, ACT: tl.constexpr):
 @triton.jit
 def gated_act_quant(h_ptr, stride_hm, q_ptr, s_ptr, act_scale_ptr, rows, rmask, expert, g, I, limit,
                     ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, STATIC: tl.constexpr, GROUP: tl.constexpr,
-                    BLOCK_G: tl.constexpr):
+                    BLOCK_G: tl.constexpr, BY_RECIPROCAL: tl.constexpr):
     """Group ``g`` (columns ``[g * GROUP, (g + 1) * GROUP)`` of I) of the sorted ``rows``
     (``rmask``: rows of an expert; ``expert``: each row's, read when STATIC) -> q, and
-    its scales into s (dynamic).  h is read past L1 (``.cg``): in the gate_up GEMM's
+    its scales into s (dynamic), dividing as :func:`.quant.reciprocals` says with
+    ``BY_RECIPROCAL``.  h is read past L1 (``.cg``): in the gate_up GEMM's
     fused activation other programs wrote it in the same launch."""
     cg = tl.arange(0, BLOCK_G)
     cols = g * GROUP + cg
@@ -77,7 +78,7 @@ def gated_act_quant(h_ptr, stride_hm, q_ptr, s_ptr, act_scale_ptr, rows, rmask, 
     a = tl.where(mask, a, 0.0)
     # its scales row-major, (S, ceil(I/GROUP)) contiguous: the down GEMM's layout (experts._kmajor_scales)
     quantize_and_store(a, rows, rmask, mask, cols, g, expert, q_ptr, s_ptr, tl.cdiv(I, GROUP), 1, act_scale_ptr, I,
-                       GROUP=GROUP, STATIC=STATIC)
+                       GROUP=GROUP, STATIC=STATIC, BY_RECIPROCAL=BY_RECIPROCAL)
 
 
 @triton.jit
@@ -93,7 +94,7 @@ def _gated_act_quant_kernel(
     # rows past offsets[-1] are sentinel slots: nothing downstream reads them
     expert = expert_of_rows(rows, offsets_ptr, E, SEARCH_STEPS)
     gated_act_quant(h_ptr, stride_hm, q_ptr, s_ptr, act_scale_ptr, rows, (rows < S) & (expert < E), expert,
-                    tl.program_id(1), I, limit, ACT, HAS_LIMIT, STATIC, GROUP, BLOCK_G)
+                    tl.program_id(1), I, limit, ACT, HAS_LIMIT, STATIC, GROUP, BLOCK_G, BY_RECIPROCAL=True)
 
 
 def gated_act_quant_call(h, a_q, a_s, offsets, num_experts: int, bk: int, activation: str, swiglu_limit,

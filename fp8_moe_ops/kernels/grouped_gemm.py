@@ -298,7 +298,7 @@ def _grouped_gemm_kernel(
                             expert = tl.sum(((ends[None, :] <= act_rows[:, None]) & emask[None, :]).to(tl.int32), 1)
                             gated_act_quant(out_ptr, stride_om, act_q_ptr, act_s_ptr, act_s_ptr, act_rows,
                                             act_rows < last, expert, g, I, limit, ACT, HAS_LIMIT, ACT_STATIC,
-                                            BK_SCALE, BLOCK_G)
+                                            BK_SCALE, BLOCK_G, BY_RECIPROCAL=False)
 
 
 @triton.jit

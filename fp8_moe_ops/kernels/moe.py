@@ -22,7 +22,7 @@ from .combine import slots_block
 from .config import block_k, gemm_config
 from .grouped_gemm import WeightTable, _grouped_gemm_kernel, max_row_tiles
 from .launch import KernelCall, launch
-from .quant import _quant_kernel, quant_launch_shape, scale_grid_strides
+from .quant import _quant_kernel, groups_per_program, quant_launch_shape, scale_grid_strides
 from .sort import (MAX_SLOTS, _sort_hist_kernel, _sort_kernel, _sort_scan_kernel, _sort_scatter_kernel,
                    large_sort_launch_shape, sort_launch_shape)
 
@@ -105,15 +105,17 @@ def _quant_call(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, rows: int, bk
         return None
     K = x.shape[1]
     slots = ids is not None
-    grid, block_r, block_g = quant_launch_shape(rows, K, bk, topk if slots else 1)
+    (row_blocks, groups), block_r, block_g = quant_launch_shape(rows, K, bk, topk if slots else 1)
+    gpp = groups_per_program(row_blocks, groups) if static else 1
     E = num_experts if slots else offsets.shape[0] if offsets is not None else 1
     index = ids if slots else perm if perm is not None else q
-    return KernelCall(_quant_kernel, grid, (
+    return KernelCall(_quant_kernel, (row_blocks, cdiv(groups, gpp)), (
         x, x.stride(0), x.stride(1), q, s, *scale_grid_strides(s, static),
         index, offsets if offsets is not None else q, s, dest if dest is not None else q,
         rows, K, E,
     ), dict(TOPK=topk, KP=next_power_of_2(topk), GROUP=bk, BLOCK_R=block_r, BLOCK_G=block_g,
-            SEARCH_STEPS=E.bit_length(), STATIC=static, GATHER=perm is not None, SLOTS=slots, DEST=dest is not None),
+            SEARCH_STEPS=E.bit_length(), STATIC=static, GATHER=perm is not None, SLOTS=slots, DEST=dest is not None,
+            GPP=gpp),
         {})
 
 

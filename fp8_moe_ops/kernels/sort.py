@@ -128,7 +128,8 @@ def _sort_quant_kernel(ids_ptr, perm_ptr, offsets_ptr, cnt_ptr, n_cnt, S, E, sor
         j = pid - sort_programs
         quant_block(j // groups, j % groups, x_ptr, stride_xm, stride_xk, q_ptr, s_ptr, stride_sm, stride_sk, ids_ptr,
                     ids_ptr, s_ptr, ids_ptr, R, K, E, TOPK=TOPK, KP=KP, GROUP=GROUP, BLOCK_R=BLOCK_R, BLOCK_G=BLOCK_G,
-                    SEARCH_STEPS=1, STATIC=STATIC, GATHER=False, SLOTS=STATIC, DEST=False)
+                    SEARCH_STEPS=1, STATIC=STATIC, GATHER=False, SLOTS=STATIC, DEST=False, BY_RECIPROCAL=False,
+                    GPP=1)
 
 
 @triton.jit
