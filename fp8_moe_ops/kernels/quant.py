@@ -244,6 +244,7 @@ def quant_block(pid_r, pid_g, x_ptr, stride_xm, stride_xk, q_ptr, s_ptr, stride_
     cg = tl.arange(0, BLOCK_G)
     rmask = rows < R
     G = tl.cdiv(K, GROUP)
+    src = rows
     if SLOTS:
         # all TOPK slots of each row at once (KP: TOPK rounded up to a power of two), every
         # load before the stores
@@ -256,13 +257,22 @@ def quant_block(pid_r, pid_g, x_ptr, stride_xm, stride_xk, q_ptr, s_ptr, stride_
         if STATIC:
             scale = tl.load(act_scale_ptr + expert, mask=smask, other=1.0)[:, :, None]
             fast, r = reciprocals(scale, BY_RECIPROCAL)
-        for i in tl.range(GPP, loop_unroll_factor=1):
-            g = pid_g * GPP + i
-            if g < G:
-                cols = g * GROUP + cg
-                cmask = (cg < GROUP) & (cols < K)
-                x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm + cols[None, :] * stride_xk,
-                            mask=rmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+    else:
+        expert = None  # dynamic scales do not depend on the expert
+        if STATIC:
+            expert = expert_of_rows(rows, offsets_ptr, E, SEARCH_STEPS)
+            rmask = rmask & (expert < E)
+            if GATHER:
+                src = tl.load(perm_ptr + rows, mask=rmask, other=0) // TOPK
+    for i in tl.range(GPP, loop_unroll_factor=1):
+        g = pid_g * GPP + i
+        if g < G:
+            cols = g * GROUP + cg
+            cmask = (cg < GROUP) & (cols < K)
+            mask = rmask[:, None] & cmask[None, :]
+            x = tl.load(x_ptr + src.to(tl.int64)[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask,
+                        other=0.0).to(tl.float32)
+            if SLOTS:
                 q_ptrs = q_ptr + out_rows[:, :, None] * K + cols[None, None, :]
                 qmask = smask[:, :, None] & cmask[None, None, :]
                 if STATIC:
@@ -275,25 +285,9 @@ def quant_block(pid_r, pid_g, x_ptr, stride_xm, stride_xk, q_ptr, s_ptr, stride_
                     tl.store(q_ptrs, tl.broadcast_to(q[:, None, :], (BLOCK_R, KP, BLOCK_G)), mask=qmask)
                     tl.store(s_ptr + out_rows * stride_sm + g * stride_sk,
                              tl.broadcast_to(s[:, None], (BLOCK_R, KP)), mask=smask)
-    else:
-        src = rows
-        expert = None  # dynamic scales do not depend on the expert
-        if STATIC:
-            expert = expert_of_rows(rows, offsets_ptr, E, SEARCH_STEPS)
-            rmask = rmask & (expert < E)
-            if GATHER:
-                src = tl.load(perm_ptr + rows, mask=rmask, other=0) // TOPK
-        for i in tl.range(GPP, loop_unroll_factor=1):
-            g = pid_g * GPP + i
-            if g < G:
-                cols = g * GROUP + cg
-                cmask = (cg < GROUP) & (cols < K)
-                mask = rmask[:, None] & cmask[None, :]
-                x = tl.load(x_ptr + src.to(tl.int64)[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask,
-                            other=0.0)
-                quantize_and_store(x.to(tl.float32), rows, rmask, mask, cols, g, expert, q_ptr, s_ptr, stride_sm,
-                                   stride_sk, act_scale_ptr, K, GROUP=GROUP, STATIC=STATIC,
-                                   BY_RECIPROCAL=BY_RECIPROCAL)
+            else:
+                quantize_and_store(x, rows, rmask, mask, cols, g, expert, q_ptr, s_ptr, stride_sm, stride_sk,
+                                   act_scale_ptr, K, GROUP=GROUP, STATIC=STATIC, BY_RECIPROCAL=BY_RECIPROCAL)
 
 
 @triton.jit
