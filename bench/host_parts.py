@@ -64,8 +64,9 @@ def parts(model_name: str) -> dict:
     compiled = _combine_kernel[grid](*args, **constexprs, enable_fp_fusion=False)
     cached = Launch(_combine_kernel, grid, constexprs, enable_fp_fusion=False)
     cached(*args)
-    launcher, head, _ = cached.compiled()
+    (launcher, head, packed), _ = cached.compiled()
     full = cached.full_args([a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args])
+    c_args = (full,) if packed else full  # launch.Direct: one sequence from Triton 3.7, else one by one
     g = cached.grid
     stream = torch.cuda.current_stream().cuda_stream
     op_args = (x, idx, wts, *w, BLOCK, "silu", None, None, None)
@@ -81,7 +82,7 @@ def parts(model_name: str) -> dict:
         "cached launch": lambda: cached(*args),
         "Triton's launcher": lambda: compiled.run(*g, stream, compiled.function, compiled.packed_metadata, None, None,
                                                   None, *full),
-        "compiled launcher": lambda: launcher(*g, stream, *head, *full),
+        "compiled launcher": lambda: launcher(*g, stream, *head, *c_args),
         "signature key": lambda: ops.meta_key(op_args),
         "launch plan": lambda: kernels.planned_experts(plans, "sig", op_args),
         "op": lambda: torch.ops.fp8_moe.grouped_experts(x, idx, wts, *w, BLOCK),

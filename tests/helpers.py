@@ -9,13 +9,20 @@ import sys
 from fractions import Fraction
 from pathlib import Path
 
+import pytest
 import torch
 import triton
 import triton.language as tl
 
 import fp8_moe_ops
 from fp8_moe_ops import reference
+from fp8_moe_ops.kernels import ws_gemm
 from fp8_moe_ops.kernels.quant import divide_by_reciprocal, fma_rn
+
+# Tests that build the Gluon GEMM itself: it is written against Triton 3.6's Gluon, and
+# with another Triton the package runs every GEMM through the Triton kernel instead.
+needs_gluon = pytest.mark.skipif(not ws_gemm.AVAILABLE, reason=f"the Gluon GEMM is built for Triton 3.6's Gluon, "
+                                 f"not {triton.__version__}'s")
 
 # The benchmark layers (bench/ measures them; tests do not import bench/): E, H, I, top_k.
 MODELS = {
@@ -44,18 +51,20 @@ EXPERTS_BOUND = 1e-2
 FAKE_HEAD = ("function", False, False, None, None, "metadata", None, None, None)
 
 
-def record_with_fake_launchers(monkeypatch, names, env, layout, calls, device: int = 3):
+def record_with_fake_launchers(monkeypatch, names, env, layout, calls, device: int = 3, packed: bool = False):
     """``ExpertsPlan.record`` of a forward's launches (``names``, ``env``, ``layout``,
     ``calls``: what ``kernels.experts`` records from), without a GPU, as on GPU
     ``device``: each compiled launcher is a fake that appends its arguments to the
-    returned list (its head ``FAKE_HEAD``), and the current stream is ``100 + device``.
+    returned list (its head ``FAKE_HEAD``; with ``packed``, the kernel's arguments as one
+    sequence, as from Triton 3.7), and the current stream is ``100 + device``.
     Returns (plan, the list)."""
     from types import SimpleNamespace
 
     from fp8_moe_ops.kernels import experts, launch
 
     launched = []
-    monkeypatch.setattr(launch.Launch, "compiled", lambda self: (lambda *a: launched.append(a), FAKE_HEAD, device))
+    fake = launch.Direct(lambda *a: launched.append(a), FAKE_HEAD, packed)
+    monkeypatch.setattr(launch.Launch, "compiled", lambda self: (fake, device))
     current = SimpleNamespace(get_current_device=lambda: device, get_current_stream=lambda index: 100 + index)
     monkeypatch.setattr(experts, "driver", SimpleNamespace(active=current))
     return experts.ExpertsPlan.record(list(names), env, layout, calls), launched

@@ -15,7 +15,7 @@ import torch
 
 from fp8_moe_ops import reference
 
-from helpers import printed_by_fresh_process
+from helpers import needs_gluon, printed_by_fresh_process
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 SCRIPTS = sorted(p.stem for p in BENCH.glob("*.py") if p.stem != "common")
@@ -416,6 +416,7 @@ def test_overlap_probe_compiles_every_form_for_sm90_without_a_gpu():
     assert all(not r["serialised"] and 0 < r["registers"] <= 255 for r in res.values())
 
 
+@needs_gluon
 def test_ws_gemm_limits_variants_still_match_and_compile_for_sm90_without_a_gpu():
     # each variant edits kernels/gluon_gemm.py's text: every edit must still find its
     # text (variant_kernel raises otherwise), and two variants compile for sm_90a without spills

@@ -28,6 +28,7 @@ from unittest import mock
 
 import pytest
 import torch
+import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
@@ -37,8 +38,6 @@ from helpers import (FAKE_HEAD, division_cases, division_matches, fma_cases, mak
 
 INTERPRETED = isinstance(tl.cdiv, InterpretedFunction)
 if INTERPRETED:
-    import triton
-
     from fp8_moe_ops import kernels, reference
     from fp8_moe_ops.kernels import experts, moe, quant
     from fp8_moe_ops.kernels.grouped_gemm import _grouped_gemm_kernel
@@ -947,42 +946,80 @@ def test_launch_cache_keys_on_argument_specialisation():
     assert [key[0] for key in added] == [_sort_quant_kernel]
 
 
-def test_direct_launch_passes_what_tritons_launcher_passes():
-    # the C function behind Triton's CUDA launcher object gets the same arguments from
-    # launch.direct as from the object itself (the installed Triton's __call__, a fake C
-    # function); a launcher class that passes them otherwise, or a kernel with scratch
-    # memory, keeps the object
-    from triton.backends.nvidia.driver import CudaLauncher
+class _FakeLauncher:
+    """A compiled kernel's launcher object without a compiled kernel: the attributes
+    Triton's CUDA launcher has (3.6's and 3.7's), a ``launch`` that records its calls."""
 
+    def __init__(self, global_scratch=0, profile_scratch=0):
+        self.got = []
+        self.launch = lambda *a: self.got.append(a)
+        self.num_ctas, self.launch_cooperative_grid, self.launch_pdl = 1, False, True
+        self.global_scratch_size = global_scratch
+        self.profile_scratch_size = profile_scratch
+        self.global_scratch_align = self.profile_scratch_align = 1
+        self.arg_annotations, self.kernel_signature = "annotations", "signature"
+
+
+class _Launcher36(_FakeLauncher):  # Triton 3.6's __call__ for a kernel without scratch memory
+    def __call__(self, gx, gy, gz, stream, function, metadata, launch_metadata, enter, exit_, *args):
+        self.launch(gx, gy, gz, stream, function, self.launch_cooperative_grid, self.launch_pdl, None, None,
+                    metadata, launch_metadata, enter, exit_, *args)
+
+
+class _Launcher37(_FakeLauncher):  # Triton 3.7's
+    def __call__(self, gx, gy, gz, stream, function, metadata, launch_metadata, enter, exit_, *args):
+        self.launch(gx, gy, gz, stream, function, self.launch_cooperative_grid, self.launch_pdl, metadata,
+                    launch_metadata, enter, exit_, None, None, self.arg_annotations, self.kernel_signature, args)
+
+
+class _Reordered(_FakeLauncher):  # what another Triton version might do
+    def __call__(self, gx, gy, gz, stream, function, *args):
+        self.launch(gx, gy, gz, stream, function, self.launch_pdl, self.launch_cooperative_grid, None, None, *args)
+
+
+def _launched_both_ways(cls) -> tuple:
+    # one launch through the launcher object, one as launch.Launch makes it from
+    # launch.direct's answer (the arguments as the list full_args gives); what the C
+    # function got each time, a sequence of arguments as a tuple
     from fp8_moe_ops.kernels.launch import direct
 
-    class Launcher(CudaLauncher):
-        def __init__(self, global_scratch=0, profile_scratch=0):  # no compile: attributes only
-            self.got = []
-            self.launch = lambda *a: self.got.append(a)
-            self.num_ctas, self.launch_cooperative_grid, self.launch_pdl = 1, False, True
-            self.global_scratch_size = global_scratch
-            self.profile_scratch_size = profile_scratch
-            self.global_scratch_align = self.profile_scratch_align = 1
-
-    class Reordered(Launcher):  # what another Triton version might do
-        def __call__(self, gx, gy, gz, stream, function, *args):
-            self.launch(gx, gy, gz, stream, function, self.launch_pdl, self.launch_cooperative_grid, None, None,
-                        *args)
-
-    run = Launcher()
+    run = cls()
     run(2, 3, 1, 55, "function", "metadata", None, None, None, 1234, 7, None)
-    fn, head = direct(run, "function", "metadata")
+    fn, head, packed = direct(run, "function", "metadata")
     assert fn == run.launch
-    fn(2, 3, 1, 55, *head, 1234, 7, None)
-    assert len(run.got) == 2 and run.got[0] == run.got[1]
-    for run in (Launcher(global_scratch=256), Launcher(profile_scratch=64), Reordered()):
-        assert direct(run, "function", "metadata") == (run, ("function", "metadata", None, None, None))
+    full = [1234, 7, None]
+    fn(2, 3, 1, 55, *head, *((full,) if packed else full))
+    return tuple(tuple(tuple(a) if isinstance(a, list) else a for a in got) for got in run.got), packed
 
 
-def test_a_compiled_plan_hands_each_launcher_the_new_calls_addresses(monkeypatch):
+@pytest.mark.parametrize("version", ["installed", "3.6", "3.7"])
+def test_direct_launch_passes_what_tritons_launcher_passes(version):
+    # the C function behind Triton's CUDA launcher object gets the same arguments from
+    # launch.direct as from the object itself: the installed Triton's __call__, and each
+    # known version's (3.7 hands the arguments over as one sequence)
+    from triton.backends.nvidia.driver import CudaLauncher
+
+    cls = {"installed": type("Installed", (_FakeLauncher, CudaLauncher), {}), "3.6": _Launcher36,
+           "3.7": _Launcher37}[version]
+    (through_object, through_direct), packed = _launched_both_ways(cls)
+    assert through_object == through_direct
+    assert packed == (version == "3.7" or (version == "installed" and not triton.__version__.startswith("3.6.")))
+
+
+def test_direct_launch_keeps_the_object_where_it_cannot_tell_or_needs_scratch():
+    # a launcher class that passes the arguments otherwise, or a kernel with scratch
+    # memory: the object itself, called as the JIT calls it
+    from fp8_moe_ops.kernels.launch import Direct, direct
+
+    for run in (_Launcher36(global_scratch=256), _Launcher37(profile_scratch=64), _Reordered()):
+        assert direct(run, "function", "metadata") == Direct(run, ("function", "metadata", None, None, None), False)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_compiled_plan_hands_each_launcher_the_new_calls_addresses(monkeypatch, packed):
     # ExpertsPlan's GPU path with fake launchers: each recorded launch gets its grid, the
-    # current stream and its argument list, every tensor replaced by the address of the
+    # current stream and its argument list (one by one, or as one sequence where the
+    # launcher takes them so: Triton 3.7), every tensor replaced by the address of the
     # new call's tensor of the same name (the output and the workspace's buffers: this
     # replay's allocations, the buffers at the layout's offsets)
     from fp8_moe_ops.kernels import launch
@@ -991,7 +1028,7 @@ def test_a_compiled_plan_hands_each_launcher_the_new_calls_addresses(monkeypatch
     second = _positional(*_experts_args("sentinels", torch.bfloat16, torch.float32, True, seed=12))
     sources = experts._stacked_sources(first)
     _, env, layout, calls = experts._stacked(first, sources)
-    plan, got = record_with_fake_launchers(monkeypatch, sources, env, layout, calls, device=3)
+    plan, got = record_with_fake_launchers(monkeypatch, sources, env, layout, calls, device=3, packed=packed)
     assert plan.device == 3 and len(calls) == 4  # sort + quantise, gate_up, activation, down + combine
     new = experts._stacked_sources(second)
     out, ws = replay_keeping_workspace(monkeypatch, plan, list(new.values()), second[0])
@@ -1003,9 +1040,13 @@ def test_a_compiled_plan_hands_each_launcher_the_new_calls_addresses(monkeypatch
     for call, args in zip(calls, got):
         entry = launch.cached(call)
         assert args[:4 + len(FAKE_HEAD)] == (*entry.grid, 103, *FAKE_HEAD)
+        passed = args[4 + len(FAKE_HEAD):]
+        if packed:
+            assert len(passed) == 1
+            passed = passed[0]
         want = entry.full_args(call.args)
-        assert len(args) == 4 + len(FAKE_HEAD) + len(want)
-        for value, arg in zip(args[4 + len(FAKE_HEAD):], want):
+        assert len(passed) == len(want)
+        for value, arg in zip(passed, want):
             if not isinstance(arg, torch.Tensor):
                 assert value == arg
                 continue

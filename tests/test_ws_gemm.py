@@ -14,7 +14,8 @@ from fp8_moe_ops.kernels import moe, ws_gemm
 from fp8_moe_ops.kernels.config import gemm_config
 from fp8_moe_ops.kernels.grouped_gemm import _grouped_gemm_kernel, max_row_tiles
 
-from helpers import FAKE_HEAD, printed_by_fresh_process, record_with_fake_launchers, replay_keeping_workspace
+from helpers import (FAKE_HEAD, needs_gluon, printed_by_fresh_process, record_with_fake_launchers,
+                     replay_keeping_workspace)
 
 CUDA = torch.device("cuda", 0)
 FP8 = torch.float8_e4m3fn
@@ -234,6 +235,7 @@ def test_ws_gemm_reads_activation_scales_either_way(monkeypatch):
                              max_programs=132)
 
 
+@needs_gluon
 def test_the_launch_cache_keys_a_descriptor_on_what_the_jit_specialises():
     # a descriptor's base dtype, block shape, layout and padding (its shape and strides
     # are run-time arguments of the compiled launcher); unhashable as it is
@@ -335,6 +337,7 @@ def test_a_plan_replays_gluon_gemms_on_descriptors_of_the_new_calls_tensors(monk
     assert descriptors == 5  # A and weights of both GEMMs, the gate_up GEMM's output (stored by TMA)
 
 
+@needs_gluon
 def test_ws_kernel_compiles_for_sm90_without_a_gpu():
     # every scheme / scale / output form of the kernel, compiled for sm_90a as
     # bench/kernel_resources.py compiles the forward's launches

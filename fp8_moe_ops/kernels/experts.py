@@ -456,7 +456,7 @@ class ExpertsPlan:
         if all(c is None for c in compiled):  # the interpreter (which runs no Gluon kernel: no descriptors)
             return cls(list(zip(entries, templates)), layout, None)
         device = driver.active.get_current_device()
-        if any(c is None or c[2] != device for c in compiled):
+        if any(c is None or c[1] != device for c in compiled):
             return None  # a launcher compiled for another device (the launch cache keys on the tensors' device)
         # a replay's values: the sources' addresses (in _Source order), every launch's
         # other arguments, then the descriptors on those addresses; each launch picks its
@@ -467,7 +467,7 @@ class ExpertsPlan:
         n_sources = len(names) + 1 + len(buffers)
         n_constants = n_descriptors = 0
         steps = []
-        for args, entry, (launcher, head, _) in zip(full, entries, compiled):
+        for args, entry, (how, _) in zip(full, entries, compiled):
             picks = []
             for a in args:
                 if type(a) is _Source:
@@ -478,7 +478,7 @@ class ExpertsPlan:
                 else:
                     picks.append(n_sources + n_constants)
                     n_constants += 1
-            steps.append((launcher, entry.grid, head, _picker(picks)))
+            steps.append((*how, entry.grid, _picker(picks)))  # launcher, head, packed (launch.Direct), ...
         return cls(steps, layout, device, constants, described)
 
     def run(self, inputs: list, hidden: torch.Tensor, aligned: bool = False) -> torch.Tensor | None:
@@ -505,8 +505,11 @@ class ExpertsPlan:
         values += self._constants
         values += [d.at(values[d.source]) for d in self._described]
         stream = driver.active.get_current_stream(device)
-        for launcher, grid, head, pick in self._steps:
-            launcher(grid[0], grid[1], grid[2], stream, *head, *pick(values))
+        for launcher, head, packed, grid, pick in self._steps:
+            if packed:
+                launcher(grid[0], grid[1], grid[2], stream, *head, pick(values))
+            else:
+                launcher(grid[0], grid[1], grid[2], stream, *head, *pick(values))
         return out
 
 

@@ -21,6 +21,8 @@ interpreter.
 Triton's CUDA launcher is a Python object whose ``__call__`` allocates the kernel's
 scratch memory (none for this package's kernels) before it calls the compiled C
 function; :func:`direct` calls that function itself where the kernel needs no scratch.
+Triton 3.6 hands the C function the kernel's arguments one by one; 3.7 as one sequence,
+after the signature they are read by (:data:`CONVENTIONS`).
 For a kernel that takes TMA descriptors (the Gluon GEMM, :mod:`.ws_gemm`) that function
 is a Python wrapper that builds each descriptor's ``CUtensorMap`` from its base's
 address, shape and strides on every launch (``fill_tma_descriptor``), so a cached launch
@@ -30,7 +32,7 @@ what the JIT specialises it on.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import SimpleNamespace
 from typing import NamedTuple
 
@@ -44,54 +46,85 @@ except ImportError:  # a Triton without Gluon's Hopper API: no argument is one (
     TensorDescriptor = ()
 
 
-def _c_head(function, metadata, cooperative, pdl) -> tuple:
-    # the C function's arguments after grid and stream: function, cooperative grid, PDL,
-    # global and profile scratch, metadata, launch metadata, enter and exit hooks
-    return function, cooperative, pdl, None, None, metadata, None, None, None
+class Convention(NamedTuple):
+    """How a Triton version's CUDA launcher object calls its C function, for a kernel
+    without scratch memory: ``launch(gx, gy, gz, stream, *head(run, function, metadata),
+    *args)``, or with ``packed``, ``..., *head(...), args)``."""
+
+    head: Callable
+    packed: bool
 
 
-_PASSES_THROUGH: dict[type, bool] = {}  # launcher class -> its __call__ checked to pass _c_head
+CONVENTIONS = (
+    # Triton 3.6: function, cooperative grid, PDL, global and profile scratch, metadata,
+    # launch metadata, enter and exit hooks, then the arguments
+    Convention(lambda run, function, metadata: (function, run.launch_cooperative_grid, run.launch_pdl, None, None,
+                                                metadata, None, None, None), packed=False),
+    # Triton 3.7: function, cooperative grid, PDL, metadata, launch metadata, enter and
+    # exit hooks, global and profile scratch, argument annotations, kernel signature, then
+    # the arguments as one sequence
+    Convention(lambda run, function, metadata: (function, run.launch_cooperative_grid, run.launch_pdl, metadata,
+                                                None, None, None, None, None, run.arg_annotations,
+                                                run.kernel_signature), packed=True),
+)
+
+_CONVENTION: dict[type, Convention | None] = {}  # launcher class -> the convention its __call__ was seen to follow
 
 
-def _passes_through(cls: type) -> bool:
-    """Whether ``cls.__call__`` hands its ``launch`` C function the arguments of
-    :func:`_c_head` for a kernel without scratch memory: checked once per class, by
-    calling it on a stand-in whose ``launch`` records them (Triton's launcher object
-    is internal; another version may call its C function otherwise)."""
+def _convention(cls: type) -> Convention | None:
+    """The :data:`CONVENTIONS` entry that ``cls.__call__`` follows for a kernel without
+    scratch memory, or None: checked once per class, by calling it on a stand-in whose
+    ``launch`` records what it gets (Triton's launcher object is internal; another
+    version may call its C function otherwise)."""
     got = []
     stand_in = SimpleNamespace(launch=lambda *a: got.append(a), num_ctas=1, launch_cooperative_grid=False,
                                launch_pdl=True, global_scratch_size=0, global_scratch_align=1,
-                               profile_scratch_size=0, profile_scratch_align=1)
+                               profile_scratch_size=0, profile_scratch_align=1, arg_annotations="annotations",
+                               kernel_signature="signature")
     try:
-        cls.__call__(stand_in, 2, 3, 1, "stream", "function", "metadata", None, None, None, "arg")
+        cls.__call__(stand_in, 2, 3, 1, "stream", "function", "metadata", None, None, None, "arg", 7)
     except Exception:  # a launcher that needs more than the stand-in has: not called directly
-        return False
-    return got == [(2, 3, 1, "stream", *_c_head("function", "metadata", False, True), "arg")]
+        return None
+    for convention in CONVENTIONS:
+        args = (("arg", 7),) if convention.packed else ("arg", 7)
+        if got == [(2, 3, 1, "stream", *convention.head(stand_in, "function", "metadata"), *args)]:
+            return convention
+    return None
 
 
-def direct(run, function, metadata) -> tuple:
-    """``(launcher, head)``: ``launcher(gx, gy, gz, stream, *head, *full_args)`` launches
-    as ``run(gx, gy, gz, stream, function, metadata, None, None, None, *full_args)``
-    (``run``: a compiled kernel's launcher, no launch hooks).  For Triton's CUDA launcher
-    of a kernel without global or profile scratch memory, ``launcher`` is its compiled
-    C function, without the Python frame around it (where the launcher's class is seen
-    to call it so: :func:`_passes_through`); otherwise ``run`` itself."""
+class Direct(NamedTuple):
+    """A compiled kernel's launch: ``launcher(gx, gy, gz, stream, *head, *args)``, or
+    with ``packed``, ``launcher(gx, gy, gz, stream, *head, args)`` (``args``: the
+    launcher's full argument list)."""
+
+    launcher: Callable
+    head: tuple
+    packed: bool
+
+
+def direct(run, function, metadata) -> Direct:
+    """How to launch as ``run(gx, gy, gz, stream, function, metadata, None, None, None,
+    *full_args)`` (``run``: a compiled kernel's launcher, no launch hooks).  For Triton's
+    CUDA launcher of a kernel without global or profile scratch memory, its compiled C
+    function, without the Python frame around it (where the launcher's class is seen to
+    call it so: :func:`_convention`); otherwise ``run`` itself."""
     c_launch = getattr(run, "launch", None)
     if c_launch is not None and getattr(run, "global_scratch_size", 1) == 0 \
             and getattr(run, "profile_scratch_size", 1) == 0:
         cls = type(run)
-        if cls not in _PASSES_THROUGH:
-            _PASSES_THROUGH[cls] = _passes_through(cls)
-        if _PASSES_THROUGH[cls]:
-            return c_launch, _c_head(function, metadata, run.launch_cooperative_grid, run.launch_pdl)
-    return run, (function, metadata, None, None, None)
+        if cls not in _CONVENTION:
+            _CONVENTION[cls] = _convention(cls)
+        convention = _CONVENTION[cls]
+        if convention is not None:
+            return Direct(c_launch, convention.head(run, function, metadata), convention.packed)
+    return Direct(run, (function, metadata, None, None, None), False)
 
 
 class Launch:
     """``kernel[grid](*args, **constexprs, **options)`` with ``args`` the kernel's
     run-time arguments in order (every parameter not in ``constexprs``)."""
 
-    __slots__ = ("kernel", "grid", "meta", "_constexpr_at", "_launcher", "_head", "_device")
+    __slots__ = ("kernel", "grid", "meta", "_constexpr_at", "_direct", "_device")
 
     def __init__(self, kernel, grid: Sequence[int], constexprs: dict, **options):
         self.kernel = kernel
@@ -99,7 +132,7 @@ class Launch:
         self.meta = {**constexprs, **options}
         # where the compile-time values go in the launcher's full argument list
         self._constexpr_at = [(i, constexprs[n]) for i, n in enumerate(kernel.arg_names) if n in constexprs]
-        self._launcher = None
+        self._direct = None
 
     def full_args(self, args) -> list:
         """``args`` with the compile-time values inserted: the launcher's argument list."""
@@ -108,26 +141,29 @@ class Launch:
             full.insert(i, value)
         return full
 
-    def compiled(self) -> tuple | None:
-        """After a first call on a GPU, ``(launcher, head, device)``: the compiled
-        binary's launch, called as ``launcher(*grid, stream, *head, *full_args)`` on
-        ``device`` (:func:`direct`); else None (interpreter)."""
-        if self._launcher is None:
+    def compiled(self) -> tuple[Direct, int] | None:
+        """After a first call on a GPU, ``(direct, device)``: the compiled binary's
+        :class:`Direct` launch, on ``device``; else None (interpreter)."""
+        if self._direct is None:
             return None
-        return self._launcher, self._head, self._device
+        return self._direct, self._device
 
     def __call__(self, *args) -> None:
-        if self._launcher is not None:
+        if self._direct is not None:
             device = driver.active.get_current_device()
             if device == self._device:
                 g = self.grid
-                self._launcher(g[0], g[1], g[2], driver.active.get_current_stream(device), *self._head,
-                               *self.full_args(args))
+                launcher, head, packed = self._direct
+                stream = driver.active.get_current_stream(device)
+                if packed:
+                    launcher(g[0], g[1], g[2], stream, *head, self.full_args(args))
+                else:
+                    launcher(g[0], g[1], g[2], stream, *head, *self.full_args(args))
                 return
         compiled = self.kernel[self.grid](*args, **self.meta)
-        if self._launcher is None and isinstance(compiled, CompiledKernel):
+        if self._direct is None and isinstance(compiled, CompiledKernel):
             self._device = driver.active.get_current_device()
-            self._launcher, self._head = direct(compiled.run, compiled.function, compiled.packed_metadata)
+            self._direct = direct(compiled.run, compiled.function, compiled.packed_metadata)
 
 
 class KernelCall(NamedTuple):
