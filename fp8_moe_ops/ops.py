@@ -223,6 +223,40 @@ def _refuse_backward(name: str):
                        "torch.no_grad() or torch.inference_mode(), or keep it out of the backward pass")
 
 
+def _refused_gradient_impl(grad: torch.Tensor, size: Sequence[int], dtype: torch.dtype, op: str) -> torch.Tensor:
+    _refuse_backward(op)
+
+
+# The gradient of an input of ``op`` that requires grad (``grad``: the gradient of op's
+# output): raises when it runs.  The ops' backward formulas return it rather than
+# raising themselves, so that a backward is refused where it runs: torch.compile traces
+# the backward of a forward whose inputs require grad when it compiles that forward, and
+# a formula that raised there would fail the compile of a forward that runs eagerly.  It
+# takes ``grad`` so that it stays in the compiled backward (without a tensor input the
+# partitioner moves it into the forward).
+_refused_gradient = torch.library.custom_op(
+    "fp8_moe::_refused_gradient", _refused_gradient_impl, mutates_args=(),
+    schema="(Tensor grad, SymInt[] size, ScalarType dtype, str op) -> Tensor")
+
+
+@_refused_gradient.register_fake
+def _(grad, size, dtype, op):
+    return grad.new_empty(size, dtype=dtype)
+
+
+def _metas(inputs: Sequence) -> list:
+    """(size, dtype) of each tensor of ``inputs``, None for the others: what a refused
+    backward needs of them (the tensors themselves would be kept alive for it)."""
+    return [(t.shape, t.dtype) if isinstance(t, torch.Tensor) else None for t in inputs]
+
+
+def _refused_gradients(op: str, grad: torch.Tensor, metas: Sequence, needs_grad: Sequence[bool]) -> tuple:
+    """A gradient per input (``metas``: :func:`_metas` of the inputs): a
+    :data:`_refused_gradient` for each tensor that needs one, None for the others."""
+    return tuple(torch.ops.fp8_moe._refused_gradient(grad, *meta, op) if needs else None
+                 for meta, needs in zip(metas, needs_grad))
+
+
 def _gemm_op(name: str, schema: str, check, ref_fn):
     """Registers one fp8 GEMM op (``linear``, ``grouped_mm``, ``batched_mm``): the CPU
     reference and the CUDA kernel behind the same checks, and a fake of shape (rows of
@@ -257,11 +291,14 @@ def _gemm_op(name: str, schema: str, check, ref_fn):
     def _(*args, **kwargs):
         return getattr(_kernels(), name)(*bind(args, kwargs).args)
 
+    def setup_context(ctx, inputs, output):
+        ctx.metas = _metas(inputs)
+
     def backward(ctx, grad):
-        _refuse_backward(f"fp8_moe::{name}")
+        return _refused_gradients(f"fp8_moe::{name}", grad, ctx.metas, ctx.needs_input_grad)
 
     # without it torch's own error asks the caller to register an autograd formula
-    op.register_autograd(backward)
+    op.register_autograd(backward, setup_context=setup_context)
     return op
 
 
@@ -290,11 +327,12 @@ class _NoAutograd(torch.autograd.Function):
         # args: the op's n arguments, then the tensors of its lists that require grad
         # (autograd does not see into lists: listed again, the output requires grad)
         ctx.name = op.name()
+        ctx.metas = _metas((op, keyset, n, *args))
         return op.redispatch(keyset & torch._C._after_autograd_keyset, *args[:n])
 
     @staticmethod
-    def backward(ctx, *grads):
-        _refuse_backward(ctx.name)
+    def backward(ctx, grad):
+        return _refused_gradients(ctx.name, grad, ctx.metas, ctx.needs_input_grad)
 
 
 def _experts_op(name: str, schema: str, check, value_check, *, cuda_check=None):

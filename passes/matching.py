@@ -502,7 +502,13 @@ def prove(c: Candidate) -> Loop:
         it = _match_iter(step.rows, step.value, acc_dtype)
         inside = body | {s}
         for n in [nz, *body]:
-            if any(u not in inside and not scalar_only(u) for u in users_of(n)):
+            outside = [u for u in users_of(n) if u not in inside and not scalar_only(u)]
+            if any(u.op == "output" for u in outside):
+                # a forward whose inputs require grad also returns what its backward reads
+                raise Skip("an intermediate result of an expert is used outside the loop (an output of the graph: "
+                           "returned by the model, or saved for the backward where an input requires grad, which "
+                           "torch.no_grad() or torch.inference_mode() avoids)")
+            if outside:
                 raise Skip("an intermediate result of an expert is used outside the loop")
         iters.append(it)
 

@@ -295,6 +295,27 @@ def test_gemm_ops_backward_raises_naming_the_op():
             out.sum().backward()
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["linear", "grouped_mm", "batched_mm", "grouped_experts", "batched_experts"])
+def test_compiled_forward_of_inputs_requiring_grad_runs_and_its_backward_raises(name):
+    # torch.compile traces a backward as it compiles a forward whose inputs require grad:
+    # the refusal must happen where the backward runs, as in eager (it failed the compile)
+    w, ws = make_expert_weights(3, 32, 64, [32, 32])
+    x = torch.randn(4, 64, requires_grad=True)
+    calls = {"linear": lambda x: OPS.linear(x, w[0], ws[0], [32, 32]),
+             "grouped_mm": lambda x: OPS.grouped_mm(x, w, ws, torch.tensor([1, 3, 4], dtype=torch.int32), [32, 32]),
+             "batched_mm": lambda x: OPS.batched_mm(x, w, ws, torch.tensor([0, 2, 1, 0]), [32, 32])}
+    if name.endswith("experts"):
+        args = make_experts_inputs(3, 4, 32, 16, 2, [16, 16])
+        x = args.pop("hidden").float().requires_grad_()
+        calls[name] = lambda x: getattr(OPS, name)(x, **args)
+    torch._dynamo.reset()
+    out = torch.compile(calls[name], backend="aot_eager", fullgraph=True)(x)
+    assert out.requires_grad and torch.equal(out, calls[name](x))
+    with pytest.raises(RuntimeError, match=f"fp8_moe::{name} has no autograd formula \\(an inference op\\)"):
+        out.sum().backward()
+
+
 def test_experts_op_backward_raises_and_no_grad_output():
     args = make_experts_inputs(3, 4, 32, 16, 2, [16, 16])
     args["hidden"] = args["hidden"].float().requires_grad_()

@@ -244,6 +244,18 @@ def test_backward_through_the_list_op_raises_when_only_a_listed_tensor_requires_
         assert not OPS.grouped_experts_list(**a).requires_grad
 
 
+@pytest.mark.slow
+def test_compiled_list_op_of_a_listed_tensor_requiring_grad_runs_and_its_backward_raises():
+    # as the eager op above, compiled: the backward it traces refuses only when it runs
+    a = _lists()
+    a["down_scale_inv"] = [s.clone().requires_grad_() for s in a["down_scale_inv"]]
+    torch._dynamo.reset()
+    out = torch.compile(lambda **kw: OPS.grouped_experts_list(**kw), backend="aot_eager", fullgraph=True)(**a)
+    assert out.requires_grad and torch.equal(out, OPS.grouped_experts_list(**a))
+    with pytest.raises(RuntimeError, match="fp8_moe::grouped_experts_list has no autograd formula"):
+        out.float().sum().backward()
+
+
 def test_bad_separate_gate_up_shape():
     a = _lists(separate=True)
     a = _replace(a, "gate_up_proj", 5, a["gate_up_proj"][5][:16].contiguous())

@@ -19,7 +19,7 @@ from fp8_moe_ops.passes import MoELoopPass
 from fp8_moe_ops.passes.activations import _gelu_tanh_formula
 from test_pass_common import (
     BLOCK, H, I, Loop, MixtralLoop, count_linear, error_vs, experts, fp8_counters, fresh_counters, ideal_output,
-    inputs, post_grad,
+    inputs, post_grad, post_grad_only_backend,
 )
 
 pytestmark = pytest.mark.slow
@@ -103,6 +103,23 @@ class TestNearMisses(TestCase):
         ref_out, ref_aux = m(*args)
         self.assertTrue(torch.equal(out, ref_out))
         self.assertEqual(aux, ref_aux)
+
+    def test_a_forward_whose_input_requires_grad_compiles_keeps_its_loop_and_refuses_backward(self):
+        # outside torch.no_grad(), compiling traces the backward too: the ops' backward
+        # formulas trace (their refusal runs where the backward does), and the loop,
+        # whose intermediates the forward now returns for the backward, is left eager,
+        # the log saying what would avoid that
+        m, (x, idx, w) = Loop(experts()), inputs(8, seed=18)
+        x = x.clone().requires_grad_()
+        torch._dynamo.reset()
+        with fresh_counters(), self.assertLogs("fp8_moe_ops.passes", level="INFO") as logs:
+            out = torch.compile(m, fullgraph=True, backend=post_grad_only_backend([]))(x, idx, w)
+        self.assertEqual(fp8_counters(), {"loops_skipped_unsupported": 1})
+        self.assertIn("saved for the backward where an input requires grad, which torch.no_grad()", logs.output[0])
+        self.assertTrue(out.requires_grad)
+        torch.testing.assert_close(out, m(x, idx, w), rtol=0, atol=0)
+        with self.assertRaisesRegex(RuntimeError, "fp8_moe::linear has no autograd formula"):
+            out.float().sum().backward()
 
     def test_experts_with_different_swiglu_limits_say_so(self):
         class PerExpertLimit(Loop):  # expert 1 clamps at 0.5, the others at 0.25
