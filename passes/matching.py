@@ -134,14 +134,28 @@ def _is_zeros(n) -> bool:
 
 
 class Step(NamedTuple):
-    """One accumulation step: ``value`` added into rows ``rows`` of ``acc``."""
+    """One accumulation step: ``value`` added into rows ``rows`` of ``acc`` (``via``: the
+    nodes that repeat ``rows`` into a scatter's index)."""
 
     acc: Node
     rows: Node
     value: Node
+    via: tuple = ()
 
 
-ACCUMULATIONS = (aten.index_put.default, aten.index_add.default)
+ACCUMULATIONS = (aten.index_put.default, aten.index_add.default, aten.scatter_add.default)
+
+
+def _repeated_rows(index: Node, columns) -> tuple | None:
+    """(rows, the nodes between) where ``index`` is the 1-D ``rows`` repeated along all
+    ``columns`` columns: ``rows[:, None].expand(-1, columns)`` (unsqueeze, expand)."""
+    if is_call(index, aten.expand.default) and is_call(index.args[0], aten.unsqueeze.default):
+        unsqueezed = index.args[0]
+        rows = unsqueezed.args[0]
+        if unsqueezed.args[1] in (1, -1) and len(shape_of(rows)) == 1 and len(shape_of(index)) == 2 \
+                and same_size(shape_of(index)[1], columns):
+            return rows, (unsqueezed, index)
+    return None
 
 
 def accumulation_step(n) -> Step | None:
@@ -153,6 +167,14 @@ def accumulation_step(n) -> Step | None:
         acc, dim, rows, value = n.args[:4]
         if dim in (0, -2) and _arg(n, 4, "alpha", 1) == 1:
             return Step(acc, rows, value)
+    if is_call(n, aten.scatter_add.default):
+        # out.scatter_add_(0, rows[:, None].expand(-1, H), value): index_add's sum where the
+        # index covers every column of the (rows, H) accumulator and all of value
+        acc, dim, index, value = n.args[:4]
+        acc_shape = shape_of(acc)
+        found = _repeated_rows(index, acc_shape[1]) if len(acc_shape) == 2 and dim in (0, -2) else None
+        if found is not None and _same_shape(shape_of(value), shape_of(index)):
+            return Step(acc, found[0], value, found[1])
     return None
 
 
@@ -457,13 +479,44 @@ def collect_chain(head: Node) -> list:
     return steps
 
 
-def find_loop(steps: list) -> Candidate | None:
-    """The chain as a loop over experts, or None when it is none: every step adds rows
-    selected by a ``nonzero`` (possibly through an integer cast), and the steps' bodies
-    call ``fp8_moe::linear``."""
+def read_modify_write_step(n) -> Step | None:
+    """``acc[rows] += value``: an ``index_put`` (not accumulating) of ``acc``'s own rows
+    ``rows`` plus ``value``.  No accumulation: where ``rows`` repeats a row, the last of
+    its sums is kept, not their total."""
+    if is_call(n, aten.index_put.default, aten.index_put_.default) and _arg(n, 3, "accumulate", False) is False:
+        acc, indices, new = n.args[:3]
+        if len(indices) == 1 and is_call(new, aten.add.Tensor):
+            for read, value in (new.args[:2], new.args[1::-1]):
+                if is_call(read, aten.index.Tensor) and read.args[0] is acc and list(read.args[1]) == list(indices):
+                    return Step(acc, indices[0], value)
+    return None
+
+
+def read_modify_write_chains(graph) -> list:
+    """The chains of :func:`read_modify_write_step` steps, each step writing into the
+    previous one's result, from their heads."""
+    steps = [n for t in (aten.index_put.default, aten.index_put_.default)
+             for n in graph.find_nodes(op="call_function", target=t) if read_modify_write_step(n) is not None]
+    chains = []
+    for head in sorted(n for n in steps if read_modify_write_step(read_modify_write_step(n).acc) is None):
+        chain = [head]
+        while True:
+            nxt = [u for u in users_of(chain[-1])
+                   if read_modify_write_step(u) is not None and read_modify_write_step(u).acc is chain[-1]]
+            if len(nxt) != 1:
+                break
+            chain.append(nxt[0])
+        chains.append(chain)
+    return chains
+
+
+def find_loop(steps: list, step_of=accumulation_step) -> Candidate | None:
+    """The chain as a loop over experts, or None when it is none: every step (as
+    ``step_of`` reads it) adds rows selected by a ``nonzero`` (possibly through an
+    integer cast), and the steps' bodies call ``fp8_moe::linear``."""
     nzs, bodies = [], []
     for s in steps:
-        step = accumulation_step(s)
+        step = step_of(s)
         co = _coord(_strip_int_casts(step.rows))
         if co is None:
             return None
@@ -497,10 +550,10 @@ def prove(c: Candidate) -> Loop:
 
     iters, nodes = [], set(steps)
     for s, nz, body in zip(steps, c.nzs, c.bodies):
-        nodes |= body | {nz}
         step = accumulation_step(s)
+        nodes |= body | {nz, *step.via}
         it = _match_iter(step.rows, step.value, acc_dtype)
-        inside = body | {s}
+        inside = body | {s, *step.via}
         for n in [nz, *body]:
             outside = [u for u in users_of(n) if u not in inside and not scalar_only(u)]
             if any(u.op == "output" for u in outside):

@@ -18,8 +18,7 @@ import fp8_moe_ops.ops
 
 from .matching import (
     ACCUMULATIONS, GROUPED, GROUPED_LIST, LINEAR, META_ASSERT, Loop, Skip, accumulation_step, aten, collect_chain,
-    find_loop, is_call, prove, same_size,
-    scalar_only, shape_of,
+    find_loop, is_call, prove, read_modify_write_chains, read_modify_write_step, same_size, scalar_only, shape_of,
 )
 
 log = logging.getLogger("fp8_moe_ops.passes")
@@ -233,4 +232,10 @@ def rewrite_moe_loops(graph: Graph) -> int:
         log.info("fp8_moe_ops.passes: replaced a loop over %d experts with %s "
                  "(activation=%s, swiglu_limit=%s, %s)", len(steps), op, loop.iters[0].activation.name,
                  loop.iters[0].activation.limit, loop.numerics)
+    for steps in read_modify_write_chains(graph):
+        if find_loop(steps, read_modify_write_step) is not None:
+            counters["fp8_moe"]["loops_skipped_unsupported"] += 1
+            log.info("fp8_moe_ops.passes: a loop over %d experts was left eager because it combines with "
+                     "out[tok] += v, which keeps one sum of a token that top_k_index routes to an expert twice (the "
+                     "grouped op adds both); out.index_add_(0, tok, v) is the combine it replaces", len(steps))
     return done

@@ -287,6 +287,17 @@ graph():
         self.assertEqual(count_linear(gm), 0)
         self.assertTrue(torch.equal(out, m(*args)))
 
+    def test_scatter_add_combine(self):
+        # out.scatter_add_(0, tok[:, None].expand(-1, H), v): index_add_'s sum, rewritten bitwise
+        m, args = Loop(experts(), combine="scatter_add"), inputs(7, seed=3)
+        with fresh_counters():
+            out, gm = post_grad(m, *args)
+        self.assertEqual(fp8_counters(), {"loops_rewritten": 1})
+        self.assertEqual(count_linear(gm), 0)
+        self.assertNotIn("scatter_add", str(gm.graph))
+        self.assertTrue(torch.equal(out, m(*args)))
+        self.assertTrue(torch.equal(out, Loop(m.ex)(*args)))
+
     def test_form4_activations(self):
         # tanh-gelu must become "gelu_tanh", never "gelu"; swiglu clamps carry their limit.
         cases = [("gelu", None), ("gelu_tanh", None), ("silu", 0.25), ("gelu_tanh", 0.25), ("relu", None)]

@@ -44,6 +44,8 @@ NEAR_MISSES = [
     ("routing_weight_of_slot0", dict(routing="pos0"), "[tok, pos]"),
     ("intermediate_escapes", dict(aux=True), "an intermediate result of an expert is used outside the loop"),
     ("partial_sum_escapes", dict(peek=True), "a partial sum of the loop is used outside the loop"),
+    # out[tok] += v keeps one of two sums where top_k_index names an expert twice in a row
+    ("plus_equals_combine", dict(combine="plus_equals"), "it combines with out[tok] += v"),
     # a real loop in a spelling the pass does not prove: counted and logged, not silent
     ("token_index_cast", dict(tok_int=True), "cast torch.where coordinate"),
     ("activation_tanh", dict(split="slice", act_fn=torch.tanh), "not a supported gated activation"),
@@ -120,6 +122,16 @@ class TestNearMisses(TestCase):
         torch.testing.assert_close(out, m(x, idx, w), rtol=0, atol=0)
         with self.assertRaisesRegex(RuntimeError, "fp8_moe::linear has no autograd formula"):
             out.float().sum().backward()
+
+    def test_scatter_add_over_some_columns_is_no_accumulation_and_left_as_it_is(self):
+        # an index over half the columns adds half of each row: not the grouped op's sum
+        m, args = Loop(experts(), combine="scatter_add_half"), inputs(8, seed=19)
+        with fresh_counters():
+            out, gm = post_grad(m, *args)
+        self.assertEqual(fp8_counters(), {})
+        self.assertGreater(count_linear(gm), 0)
+        self.assertIn("scatter_add", str(gm.graph))
+        torch.testing.assert_close(out, m(*args), rtol=0, atol=0)
 
     def test_experts_with_different_swiglu_limits_say_so(self):
         class PerExpertLimit(Loop):  # expert 1 clamps at 0.5, the others at 0.25
