@@ -1016,6 +1016,34 @@ def test_direct_launch_keeps_the_object_where_it_cannot_tell_or_needs_scratch():
 
 
 @pytest.mark.parametrize("packed", [False, True])
+def test_a_cached_launch_calls_its_compiled_launcher_with_grid_stream_head_and_arguments(monkeypatch, packed):
+    # Launch's GPU path after its first call, with a fake compiled launcher: the grid, the
+    # current stream, the head, then the arguments with the compile-time values in place
+    # (one by one, or as one sequence); on another device, through the JIT again
+    from types import SimpleNamespace
+
+    from fp8_moe_ops.kernels import launch
+    from fp8_moe_ops.kernels.combine import _combine_kernel
+
+    current = [2]
+    monkeypatch.setattr(launch, "driver", SimpleNamespace(active=SimpleNamespace(
+        get_current_device=lambda: current[0], get_current_stream=lambda index: 100 + index)))
+    got, jit = [], []
+    constexprs = dict(TOPK=2, KP=2, BLOCK_H=64)
+    entry = launch.Launch(_combine_kernel, (3, 1), constexprs)
+    entry._direct, entry._device = launch.Direct(lambda *a: got.append(a), ("f", "m"), packed), 2
+    args = ("y", "ids", "weights", "out", 5, 64, 8)
+    entry(*args)
+    full = ["y", "ids", "weights", "out", 5, 64, 8, 2, 2, 64]
+    assert entry.full_args(args) == full
+    assert got == [(3, 1, 1, 102, "f", "m", *((full,) if packed else full))]
+    current[0] = 0
+    entry.kernel = type("Jit", (), {"__getitem__": lambda self, grid: lambda *a, **kw: jit.append((grid, a, kw))})()
+    entry(*args)
+    assert len(got) == 1 and jit == [((3, 1, 1), args, constexprs)]
+
+
+@pytest.mark.parametrize("packed", [False, True])
 def test_a_compiled_plan_hands_each_launcher_the_new_calls_addresses(monkeypatch, packed):
     # ExpertsPlan's GPU path with fake launchers: each recorded launch gets its grid, the
     # current stream and its argument list (one by one, or as one sequence where the
