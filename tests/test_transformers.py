@@ -356,6 +356,22 @@ def test_quantize_experts_compiles_fullgraph():
     assert rel_err(out, logits(ref, ids)) < LOGITS_BOUND
 
 
+def test_quantize_experts_compiles_outside_no_grad_and_refuses_backward():
+    # a model called without torch.no_grad(): its hidden states require grad (the
+    # embedding's weights do), so torch.compile also traces a backward through the experts
+    # op; the forward compiles and matches eager, and a backward raises when it runs
+    ref = bf16_model()
+    model = integration.quantize_experts(copy.deepcopy(ref), "dynamic", block_size=(32, 32))
+    ids = batches(1, seed=6)[0]
+    eager = logits(model, ids)
+    torch._dynamo.reset()
+    out = torch.compile(model, fullgraph=True, backend="aot_eager")(ids).logits
+    assert out.requires_grad
+    assert torch.equal(out.detach().float(), eager)
+    with pytest.raises(RuntimeError, match="fp8_moe::grouped_experts has no autograd formula"):
+        out.float().sum().backward()
+
+
 def test_quantize_experts_rejects_bad_arguments():
     ref = bf16_model()
     with pytest.raises(ValueError, match="calibration_batches"):
