@@ -125,6 +125,8 @@ def _linear_args(n: Node):
 
 
 def _is_zeros(n) -> bool:
+    if is_call(n, aten.permute.default):  # zeros_like of a transposed tensor
+        return _is_zeros(n.args[0])
     if is_call(n, aten.zeros.default):
         return True
     if is_call(n, aten.full.default):
@@ -135,12 +137,14 @@ def _is_zeros(n) -> bool:
 
 class Step(NamedTuple):
     """One accumulation step: ``value`` added into rows ``rows`` of ``acc`` (``via``: the
-    nodes that repeat ``rows`` into a scatter's index)."""
+    nodes that repeat ``rows`` into a scatter's index; ``links``: copies of ``acc`` the
+    step adds into instead, which only it reads)."""
 
     acc: Node
     rows: Node
     value: Node
     via: tuple = ()
+    links: tuple = ()
 
 
 ACCUMULATIONS = (aten.index_put.default, aten.index_add.default, aten.scatter_add.default)
@@ -159,6 +163,20 @@ def _repeated_rows(index: Node, columns) -> tuple | None:
 
 
 def accumulation_step(n) -> Step | None:
+    """``n`` as an accumulation step, its accumulator past any copies of it that only ``n``
+    reads: functionalization copies a non-contiguous accumulator (zeros_like of a
+    transposed tensor) to a contiguous one between two in-place adds."""
+    step = _accumulation(n)
+    if step is None:
+        return None
+    acc, links = step.acc, ()
+    while is_call(acc, aten.clone.default) and users_of(acc) == [n if not links else links[0]]:
+        links = (acc, *links)
+        acc = acc.args[0]
+    return step._replace(acc=acc, links=links)
+
+
+def _accumulation(n) -> Step | None:
     if is_call(n, aten.index_put.default):
         acc, indices, value = n.args[:3]
         if _arg(n, 3, "accumulate", False) is True and len(indices) == 1 and isinstance(indices[0], Node):
@@ -471,6 +489,8 @@ def collect_chain(head: Node) -> list:
     steps, cur = [head], head
     while len(users_of(cur)) == 1:
         (u,) = users_of(cur)
+        while is_call(u, aten.clone.default) and len(users_of(u)) == 1:  # a copy only the next step reads
+            (u,) = users_of(u)
         s = accumulation_step(u)
         if s is None or s.acc is not cur:
             break
@@ -551,7 +571,7 @@ def prove(c: Candidate) -> Loop:
     iters, nodes = [], set(steps)
     for s, nz, body in zip(steps, c.nzs, c.bodies):
         step = accumulation_step(s)
-        nodes |= body | {nz, *step.via}
+        nodes |= body | {nz, *step.via, *step.links}
         it = _match_iter(step.rows, step.value, acc_dtype)
         inside = body | {s, *step.via}
         for n in [nz, *body]:

@@ -147,7 +147,10 @@ def _rewrite(graph: Graph, loop: Loop) -> str:
         if t not in loop.steps:
             graph.erase_node(t)
     for s in reversed(loop.steps):
+        links = accumulation_step(s).links  # the copies of the accumulator that s adds into
         graph.erase_node(s)
+        for link in reversed(links):
+            graph.erase_node(link)
     graph.eliminate_dead_code()
     _erase_dead_nonzeros(graph, loop.nzs)
     return op.name()

@@ -287,6 +287,29 @@ graph():
         self.assertEqual(count_linear(gm), 0)
         self.assertTrue(torch.equal(out, m(*args)))
 
+    def test_fp8experts_eager_loop_on_transposed_hidden_states(self):
+        # zeros_like of a transposed hidden is transposed: functionalization copies the
+        # accumulator to a contiguous one after the first add, and the loop still is one
+        ex = experts()
+        ex.dispatch = "eager"
+
+        class Transposed(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.ex = ex
+
+            def forward(self, hidden_t, top_k_index, top_k_weights):
+                return self.ex(hidden_t.t(), top_k_index, top_k_weights)
+
+        x, idx, w = inputs(8, seed=4)
+        args = (x.t().contiguous(), idx, w)
+        with fresh_counters():
+            out, gm = post_grad(Transposed(), *args)
+        self.assertEqual(fp8_counters(), {"loops_rewritten": 1})
+        self.assertEqual(count_linear(gm), 0)
+        self.assertNotIn("clone", str(gm.graph))
+        self.assertTrue(torch.equal(out, Transposed()(*args)))
+
     def test_scatter_add_combine(self):
         # out.scatter_add_(0, tok[:, None].expand(-1, H), v): index_add_'s sum, rewritten bitwise
         m, args = Loop(experts(), combine="scatter_add"), inputs(7, seed=3)
