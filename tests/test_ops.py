@@ -283,13 +283,20 @@ def test_one_graph_for_every_token_count_marked_unbacked():
             compiled_mod(*routing)
 
 
+def _gemm_calls_of_grad_input() -> tuple[torch.Tensor, dict]:
+    """(x requiring grad, name -> the GEMM op of that name on x as a function of x)."""
+    gen = torch.Generator().manual_seed(3)
+    w, ws = make_expert_weights(3, 32, 64, [32, 32], gen=gen)
+    x = torch.randn(4, 64, generator=gen).requires_grad_()
+    return x, {"linear": lambda x: OPS.linear(x, w[0], ws[0], [32, 32]),
+               "grouped_mm": lambda x: OPS.grouped_mm(x, w, ws, torch.tensor([1, 3, 4], dtype=torch.int32), [32, 32]),
+               "batched_mm": lambda x: OPS.batched_mm(x, w, ws, torch.tensor([0, 2, 1, 0]), [32, 32])}
+
+
 def test_gemm_ops_backward_raises_naming_the_op():
-    w, ws = make_expert_weights(3, 32, 64, [32, 32])
-    x = torch.randn(4, 64, requires_grad=True)
-    outs = {"linear": OPS.linear(x, w[0], ws[0], [32, 32]),
-            "grouped_mm": OPS.grouped_mm(x, w, ws, torch.tensor([1, 3, 4], dtype=torch.int32), [32, 32]),
-            "batched_mm": OPS.batched_mm(x, w, ws, torch.tensor([0, 2, 1, 0]), [32, 32])}
-    for name, out in outs.items():
+    x, calls = _gemm_calls_of_grad_input()
+    for name, call in calls.items():
+        out = call(x)
         assert out.requires_grad  # the forward runs as usual
         with pytest.raises(RuntimeError, match=f"fp8_moe::{name} has no autograd formula \\(an inference op\\)"):
             out.sum().backward()
@@ -300,11 +307,7 @@ def test_gemm_ops_backward_raises_naming_the_op():
 def test_compiled_forward_of_inputs_requiring_grad_runs_and_its_backward_raises(name):
     # torch.compile traces a backward as it compiles a forward whose inputs require grad:
     # the refusal must happen where the backward runs, as in eager (it failed the compile)
-    w, ws = make_expert_weights(3, 32, 64, [32, 32])
-    x = torch.randn(4, 64, requires_grad=True)
-    calls = {"linear": lambda x: OPS.linear(x, w[0], ws[0], [32, 32]),
-             "grouped_mm": lambda x: OPS.grouped_mm(x, w, ws, torch.tensor([1, 3, 4], dtype=torch.int32), [32, 32]),
-             "batched_mm": lambda x: OPS.batched_mm(x, w, ws, torch.tensor([0, 2, 1, 0]), [32, 32])}
+    x, calls = _gemm_calls_of_grad_input()
     if name.endswith("experts"):
         args = make_experts_inputs(3, 4, 32, 16, 2, [16, 16])
         x = args.pop("hidden").float().requires_grad_()
