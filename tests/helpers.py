@@ -391,3 +391,15 @@ def static_scale_cases(group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Te
         xs.append(x)
         ends.append((ends[-1] if ends else 0) + x.shape[0])
     return torch.cat(xs), torch.tensor(ends, dtype=torch.int32), torch.tensor(STATIC_SCALES)
+
+
+def row_experts(offsets: torch.Tensor) -> torch.Tensor:
+    """The expert of each row of :func:`static_scale_cases` (``offsets``: its row ends)."""
+    return torch.searchsorted(offsets, torch.arange(int(offsets[-1])), right=True)
+
+
+def static_slot_ids(offsets: torch.Tensor) -> torch.Tensor:
+    """(rows, 3) int32 expert ids of three slots per row of :func:`static_scale_cases`:
+    the row's own expert, another one's ((own * 5 + 1) % E), and none (-1)."""
+    own = row_experts(offsets)
+    return torch.stack([own, (own * 5 + 1) % offsets.numel(), torch.full_like(own, -1)], 1).to(torch.int32)

@@ -39,7 +39,7 @@ from fp8_moe_ops.kernels.experts import ARG_NAMES, ExpertsPlan
 
 from helpers import (EXPERTS_BOUND, GEMM_BOUND, MODELS, division_cases, division_matches, fma_cases,
                      make_expert_weights, make_experts_inputs, make_routing, poison_free_memory, rel_err,
-                     run_elementwise, static_scale_cases, uneven_offsets, with_split_k)
+                     row_experts, run_elementwise, static_scale_cases, static_slot_ids, uneven_offsets, with_split_k)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -87,13 +87,12 @@ def test_fma_rounds_once_and_division_by_reciprocal_is_ieee_bitwise():
 
 def test_static_quantisation_at_any_scale_bitwise():
     x, offsets, scales = static_scale_cases(128)
-    rows = torch.searchsorted(offsets, torch.arange(x.shape[0]), right=True)
     q, _ = moe._quantize(x.cuda(), 128, x.shape[0], offsets=offsets.cuda(), act_scale=scales.cuda())
-    ref = reference.quantize_act_static(x, scales[rows][:, None])
+    ref = reference.quantize_act_static(x, scales[row_experts(offsets)][:, None])
     assert torch.equal(q.cpu().view(torch.uint8), ref.view(torch.uint8))
     # each token into its slots (the prefill path), slot 1 with another expert's scale
     T, E = x.shape[0], scales.numel()
-    ids = torch.stack([rows, (rows * 5 + 1) % E, torch.full_like(rows, -1)], 1).to(torch.int32)
+    ids = static_slot_ids(offsets)
     q = torch.zeros(T * 3, 128, dtype=FP8, device="cuda")
     moe.launch(moe._quant_call(x.cuda(), q, scales.cuda(), T, 128, static=True, topk=3, ids=ids.cuda(),
                                num_experts=E))

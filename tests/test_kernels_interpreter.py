@@ -33,8 +33,8 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from helpers import (FAKE_HEAD, division_cases, division_matches, fma_cases, make_expert_weights, make_routing,
-                     record_with_fake_launchers, rel_err, replay_keeping_workspace, run_elementwise,
-                     static_scale_cases, with_split_k)
+                     record_with_fake_launchers, rel_err, replay_keeping_workspace, row_experts, run_elementwise,
+                     static_scale_cases, static_slot_ids, with_split_k)
 
 INTERPRETED = isinstance(tl.cdiv, InterpretedFunction)
 if INTERPRETED:
@@ -135,15 +135,11 @@ def test_division_by_reciprocal_is_ieee_bitwise():
     assert not division_matches(x * (1 / d), x, d)
 
 
-def _row_scales(offsets, scales, rows):
-    return scales[torch.searchsorted(offsets, torch.arange(rows), right=True)][:, None]
-
-
 def test_static_quantisation_at_any_scale_bitwise():
     # scales inside the fast division's bounds and outside them, several in a row block
     x, offsets, scales = static_scale_cases(16)
     q, _ = moe._quantize(x, 16, x.shape[0], offsets=offsets, act_scale=scales)
-    ref = reference.quantize_act_static(x, _row_scales(offsets, scales, x.shape[0]))
+    ref = reference.quantize_act_static(x, scales[row_experts(offsets)][:, None])
     assert torch.equal(q.view(torch.uint8), ref.view(torch.uint8))
 
 
@@ -152,8 +148,7 @@ def test_static_slot_quantisation_at_any_scale_bitwise():
     # on the rounding boundaries), slot 1 another expert's, slot 2 no expert (skipped)
     x, offsets, scales = static_scale_cases(16)
     T, E = x.shape[0], scales.numel()
-    own = torch.searchsorted(offsets, torch.arange(T), right=True)
-    ids = torch.stack([own, (own * 5 + 1) % E, torch.full_like(own, -1)], 1).to(torch.int32)
+    ids = static_slot_ids(offsets)
     q = torch.zeros(T * 3, 16, dtype=FP8)
     moe.launch(moe._quant_call(x, q, scales, T, 16, static=True, topk=3, ids=ids, num_experts=E))
     q = q.view(T, 3, 16)
@@ -186,8 +181,7 @@ def test_quantisation_programs_looping_over_k_groups_bitwise(gpp):
     # group a program.
     x, offsets, scales = static_scale_cases(48)
     T, E = x.shape[0], scales.numel()
-    own = torch.searchsorted(offsets, torch.arange(T), right=True)
-    ids = torch.stack([own, (own * 5 + 1) % E, torch.full_like(own, -1)], 1).to(torch.int32)
+    ids = static_slot_ids(offsets)
     dest = torch.randperm(T * 3, generator=torch.Generator().manual_seed(1)).to(torch.int32)
     gen = torch.Generator().manual_seed(2)
     xd = torch.randn(T, 48, generator=gen) * torch.logspace(-3, 3, 48)
@@ -214,7 +208,7 @@ def test_quantisation_programs_looping_over_k_groups_bitwise(gpp):
                 assert torch.equal(qd[dest.view(T, 3)[:, j].long()].view(torch.uint8), rq.view(torch.uint8)), j
                 assert torch.equal(sd[dest.view(T, 3)[:, j].long()], rs), j
         else:
-            ref = reference.quantize_act_static(x, _row_scales(offsets, scales, T))
+            ref = reference.quantize_act_static(x, scales[row_experts(offsets)][:, None])
             assert torch.equal(q[:T].view(torch.uint8), ref.view(torch.uint8))
             assert torch.equal(qd[:T].view(torch.uint8), rq.view(torch.uint8)) and torch.equal(sd[:T], rs)
 
