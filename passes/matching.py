@@ -169,10 +169,9 @@ def accumulation_step(n) -> Step | None:
     step = _accumulation(n)
     if step is None:
         return None
-    acc, links = step.acc, ()
-    while is_call(acc, aten.clone.default) and users_of(acc) == [n if not links else links[0]]:
-        links = (acc, *links)
-        acc = acc.args[0]
+    acc, links, reader = step.acc, (), n
+    while is_call(acc, aten.clone.default) and users_of(acc) == [reader]:
+        links, reader, acc = (acc, *links), acc, acc.args[0]
     return step._replace(acc=acc, links=links)
 
 
@@ -512,13 +511,19 @@ def read_modify_write_step(n) -> Step | None:
     return None
 
 
+def chain_heads(graph, targets, step_of=accumulation_step) -> list:
+    """First steps of chains (``step_of`` reads a node of ``targets`` as a step), in graph
+    order: steps adding into something that is not itself a step.  A chain that forks
+    is analysed once, from its head."""
+    steps = sorted(n for t in targets for n in graph.find_nodes(op="call_function", target=t))
+    return [n for n in steps if step_of(n) is not None and step_of(step_of(n).acc) is None]
+
+
 def read_modify_write_chains(graph) -> list:
     """The chains of :func:`read_modify_write_step` steps, each step writing into the
     previous one's result, from their heads."""
-    steps = [n for t in (aten.index_put.default, aten.index_put_.default)
-             for n in graph.find_nodes(op="call_function", target=t) if read_modify_write_step(n) is not None]
     chains = []
-    for head in sorted(n for n in steps if read_modify_write_step(read_modify_write_step(n).acc) is None):
+    for head in chain_heads(graph, (aten.index_put.default, aten.index_put_.default), read_modify_write_step):
         chain = [head]
         while True:
             nxt = [u for u in users_of(chain[-1])

@@ -17,8 +17,9 @@ from torch.fx import Graph, Node
 import fp8_moe_ops.ops
 
 from .matching import (
-    ACCUMULATIONS, GROUPED, GROUPED_LIST, LINEAR, META_ASSERT, Loop, Skip, accumulation_step, aten, collect_chain,
-    find_loop, is_call, prove, read_modify_write_chains, read_modify_write_step, same_size, scalar_only, shape_of,
+    ACCUMULATIONS, GROUPED, GROUPED_LIST, LINEAR, META_ASSERT, Loop, Skip, accumulation_step, aten, chain_heads,
+    collect_chain, find_loop, is_call, prove, read_modify_write_chains, read_modify_write_step, same_size,
+    scalar_only, shape_of,
 )
 
 log = logging.getLogger("fp8_moe_ops.passes")
@@ -203,19 +204,12 @@ def _erase_dead_nonzeros(graph: Graph, nzs: list) -> None:
 # --------------------------------------------------------------------------- entry point
 
 
-def _heads(graph: Graph) -> list:
-    """First steps of accumulation chains (a step adding into something that is not
-    itself a step).  A chain that forks is analysed once, from its head."""
-    steps = sorted(n for t in ACCUMULATIONS for n in graph.find_nodes(op="call_function", target=t))
-    return [n for n in steps if accumulation_step(n) is not None and accumulation_step(accumulation_step(n).acc) is None]
-
-
 def rewrite_moe_loops(graph: Graph) -> int:
     """Rewrites every provable expert loop of ``graph``; returns how many."""
     if not graph.find_nodes(op="call_function", target=LINEAR):
         return 0
     done = 0
-    for head in _heads(graph):
+    for head in chain_heads(graph, ACCUMULATIONS):
         if head._erased:  # dead code of an earlier rewrite
             continue
         steps = collect_chain(head)
