@@ -19,10 +19,10 @@ from fp8_moe_ops import reference
 from fp8_moe_ops.kernels import ws_gemm
 from fp8_moe_ops.kernels.quant import divide_by_reciprocal, fma_rn
 
-# Tests that build the Gluon GEMM itself: it is written against Triton 3.6's Gluon, and
-# with another Triton the package runs every GEMM through the Triton kernel instead.
-needs_gluon = pytest.mark.skipif(not ws_gemm.AVAILABLE, reason=f"the Gluon GEMM is built for Triton 3.6's Gluon, "
-                                 f"not {triton.__version__}'s")
+# Tests that build the Gluon GEMM itself: it is written against the Gluon of Triton 3.6 and
+# 3.7, and with another Triton the package runs every GEMM through the Triton kernel instead.
+needs_gluon = pytest.mark.skipif(not ws_gemm.AVAILABLE, reason=f"the Gluon GEMM is built for the Gluon of Triton "
+                                 f"3.6 and 3.7, not {triton.__version__}'s")
 
 # The benchmark layers (bench/ measures them; tests do not import bench/): E, H, I, top_k.
 MODELS = {

@@ -27,6 +27,7 @@ def _on_fake_hopper(monkeypatch):
     monkeypatch.setattr(triton.knobs.runtime, "interpret", False)
     monkeypatch.setattr(ws_gemm, "_sm90", lambda index: True)
     monkeypatch.setattr(ws_gemm, "AVAILABLE", True)
+    monkeypatch.setattr(ws_gemm, "BY_DEFAULT", True)  # a Triton under which it has run on the GPU
     monkeypatch.setattr(ws_gemm, "programs", lambda device: 132)  # its SMs
     monkeypatch.delenv("FP8_MOE_GLUON", raising=False)
 
@@ -87,6 +88,22 @@ def test_the_shipped_table_takes_the_measured_winners(monkeypatch):
     for name, (E, S, N, K, chosen) in shapes.items():
         w = torch.empty(E, N, K, dtype=FP8, device="meta")
         assert ws_gemm.usable(CUDA, w, torch.ones(E, 1, 1), (128, 128), gemm_config(S, E, N, K)) == chosen, name
+
+
+def test_a_triton_not_yet_run_on_the_gpu_takes_it_only_when_asked(monkeypatch):
+    # with Triton 3.7 the kernel builds, but the launch table's choice of it does not stand
+    _on_fake_hopper(monkeypatch)
+    monkeypatch.setattr(ws_gemm, "BY_DEFAULT", False)
+    w, ws = _weights()
+    assert not ws_gemm.usable(CUDA, w, ws, (128, 128), PREFILL)
+    monkeypatch.setenv("FP8_MOE_GLUON", "1")
+    assert ws_gemm.usable(CUDA, w, ws, (128, 128), PREFILL)
+
+
+def test_the_gluon_kernel_is_on_by_default_with_the_triton_it_ran_under():
+    version = triton.__version__
+    assert ws_gemm.AVAILABLE == version.startswith(("3.6.", "3.7."))
+    assert ws_gemm.BY_DEFAULT == version.startswith("3.6.")
 
 
 def test_usable_is_false_without_the_gluon_kernel(monkeypatch):
@@ -241,8 +258,9 @@ def test_the_launch_cache_keys_a_descriptor_on_what_the_jit_specialises():
     # are run-time arguments of the compiled launcher); unhashable as it is
     from fp8_moe_ops.kernels.launch import _spec
 
-    def desc(t, block, padding="zero"):
-        return ws_gemm.TensorDescriptor.from_tensor(t, block, ws_gemm.shared_layout(block), padding)
+    def desc(t, block, padding="zero"):  # the layout of the tensor's element width (Triton 3.7 checks it)
+        layout = ws_gemm.out_layout(block, t.dtype) if t.dtype == torch.bfloat16 else ws_gemm.shared_layout(block)
+        return ws_gemm.TensorDescriptor.from_tensor(t, block, layout, padding)
 
     q = torch.zeros(256, 512, dtype=FP8)
     key = _spec(desc(q, [128, 128]))

@@ -1,6 +1,6 @@
 """The Gluon source of the Hopper prefill GEMM; :mod:`.ws_gemm` says what it computes,
 when it runs, and builds its launch.  Gluon's API is experimental (it has moved between
-Triton releases): this module is written against Triton 3.6, and :mod:`.ws_gemm`
+Triton releases): this module is written against Triton 3.6 and 3.7, and :mod:`.ws_gemm`
 imports it only where it can."""
 
 from __future__ import annotations
@@ -12,6 +12,9 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+# the CTA-wide barrier: gl.thread_barrier in Triton 3.6, gl.barrier in 3.7
+_cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
 
 __all__ = ["OUT_TYPES", "TensorDescriptor", "_ws_gemm_kernel", "load_tile", "ring", "out_layout", "shared_layout"]
 
@@ -82,7 +85,7 @@ def _put_tile(info, s, e, row0, row1):
     slot's ``ready`` has made the writes its own."""
     field = gl.arange(0, 4, layout=gl.BlockedLayout([4], [32], [gl.num_warps()], [0]))
     info.index(s).store(gl.where(field == 0, e, gl.where(field == 1, row0, row1)))
-    gl.thread_barrier()
+    _cta_barrier()
 
 
 @gluon.jit

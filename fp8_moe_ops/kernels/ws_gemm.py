@@ -50,9 +50,10 @@ Used only where :func:`usable` says so (an sm_90 GPU, a prefill or mid-size entr
 the launch table that chooses it, 128 x 128 blocks or coarser, TMA-aligned K); the
 grouped kernel runs everywhere else, and under ``TRITON_INTERPRET=1`` (Gluon has no
 interpreter).  ``FP8_MOE_GLUON=0`` in the environment turns it off, ``FP8_MOE_GLUON=1``
-on wherever it can run.  The Gluon source is :mod:`.gluon_gemm`, written against Triton 3.6's
-experimental Gluon API: with another Triton (or none of Gluon's Hopper API) the package
-still imports and the Triton kernel runs every GEMM.
+on wherever it can run.  The Gluon source is :mod:`.gluon_gemm`, written against the
+experimental Gluon API of Triton 3.6 and 3.7: with another Triton (or none of Gluon's
+Hopper API) the package still imports and the Triton kernel runs every GEMM; with 3.7,
+not yet run on a GPU, only where ``FP8_MOE_GLUON=1`` asks for it.
 """
 
 from __future__ import annotations
@@ -67,17 +68,22 @@ import triton
 from ..functional import next_power_of_2
 from .launch import KernelCall
 
-try:  # the Gluon source, written against Triton 3.6's experimental API
+try:  # the Gluon source, written against the experimental API of Triton 3.6 and 3.7
     from .gluon_gemm import OUT_TYPES, TensorDescriptor, _ws_gemm_kernel, out_layout, shared_layout
 except (ImportError, AttributeError) as exc:  # a Triton whose Gluon differs: the Triton kernel runs every GEMM
     _ws_gemm_kernel = None
     logging.getLogger(__name__).info("the Gluon prefill GEMM is unavailable (%s)", exc)
 
-__all__ = ["AVAILABLE", "mode", "usable", "tma_ready", "kmajor", "scales_readable", "ws_gemm_call"]
+__all__ = ["AVAILABLE", "BY_DEFAULT", "mode", "usable", "tma_ready", "kmajor", "scales_readable", "ws_gemm_call"]
 
-# built and checked with Triton 3.6 (docs/gpu_check.md); another release's Gluon may
-# compile it otherwise, so there the Triton kernel runs every GEMM
-AVAILABLE = _ws_gemm_kernel is not None and triton.__version__.startswith("3.6.")
+# Gluon's API is experimental, so the kernel runs only with the Triton releases it is
+# built for: 3.6 and 3.7 (where a CTA-wide barrier is renamed); with another the Triton
+# kernel runs every GEMM
+AVAILABLE = _ws_gemm_kernel is not None and triton.__version__.startswith(("3.6.", "3.7."))
+# whether the launch table's choice of it stands without ``FP8_MOE_GLUON=1``: only with a
+# release under which it has run against the CPU reference on a GPU (docs/gpu_check.md).
+# With 3.7 it compiles for sm_90a and its CPU tests pass, but it has not run on a GPU yet
+BY_DEFAULT = AVAILABLE and triton.__version__.startswith("3.6.")
 
 TILE = 128  # BM = BN = BK
 STAGES = 4  # ring slots (6 measured no faster on the H200: docs/benchmarks.md)
@@ -122,15 +128,16 @@ def usable(device: torch.device, w: torch.Tensor, w_scale: torch.Tensor, block: 
     table chooses: K at least its entry's ``ws_min_k`` (set in its prefill entries and
     in its mid-size ones from 64 rows per expert: measured faster there at every K from
     768 to 14336; the kernel then runs its own 128 x 128 tiles, the entry's tiles being
-    the Triton kernel's), overridden by ``FP8_MOE_GLUON``: ``0`` never, ``1`` wherever
-    it can run.  It can run with Triton 3.6 (:data:`AVAILABLE`) on an sm_90 GPU (not the
+    the Triton kernel's; with Triton 3.6 only: :data:`BY_DEFAULT`), overridden by
+    ``FP8_MOE_GLUON``: ``0`` never, ``1`` wherever it can run.  It can run with Triton
+    3.6 or 3.7 (:data:`AVAILABLE`) on an sm_90 GPU (not the
     interpreter) for an entry that names a ``ws_min_k`` or has 128 x 128 tiles, without
     split K, with one weight scale per tile and K step, K a multiple of 16 and ``w``
     contiguous and 16-byte aligned (TMA).  A must also pass :func:`tma_ready`."""
     K = w.shape[2]
     override = mode()
     chosen = cfg.get("ws_min_k") is not None and K >= cfg["ws_min_k"]
-    if not AVAILABLE or override == "0" or not (override == "1" or chosen):
+    if not AVAILABLE or override == "0" or not (override == "1" or (chosen and BY_DEFAULT)):
         return False
     if device.type != "cuda" or triton.knobs.runtime.interpret:
         return False
