@@ -516,7 +516,7 @@ def chain_heads(graph, targets, step_of=accumulation_step) -> list:
     order: steps adding into something that is not itself a step.  A chain that forks
     is analysed once, from its head."""
     steps = sorted(n for t in targets for n in graph.find_nodes(op="call_function", target=t))
-    return [n for n in steps if step_of(n) is not None and step_of(step_of(n).acc) is None]
+    return [n for n in steps if (step := step_of(n)) is not None and step_of(step.acc) is None]
 
 
 def read_modify_write_chains(graph) -> list:
@@ -527,7 +527,7 @@ def read_modify_write_chains(graph) -> list:
         chain = [head]
         while True:
             nxt = [u for u in users_of(chain[-1])
-                   if read_modify_write_step(u) is not None and read_modify_write_step(u).acc is chain[-1]]
+                   if (step := read_modify_write_step(u)) is not None and step.acc is chain[-1]]
             if len(nxt) != 1:
                 break
             chain.append(nxt[0])
