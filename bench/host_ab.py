@@ -16,7 +16,10 @@ difference.  Pairs, per layer and T (uniform routing, dynamic scales):
 * ``FP8Experts: checks guarded / every call``: the module (``dispatch="grouped"``),
   its input checks skipped behind a guard, against the checks run on every call;
 * ``op / launch plan``: ``torch.ops.fp8_moe.grouped_experts`` against
-  ``kernels.planned_experts`` (the plan called directly, no dispatcher or key).
+  ``kernels.planned_experts`` (the plan called directly, no dispatcher or key);
+* ``call_experts / op``: ``fp8_moe_ops.ops.call_experts`` (what the modules call: the
+  op's CUDA kernel without the dispatcher, where nothing between would act) against
+  the op.
 
 Writes ``OUT/host_ab.json`` / ``.md``; exits 1 if any case failed.
 """
@@ -71,6 +74,8 @@ def pairs(experts, experts_checked, w, x, idx, wts) -> dict:
         "FP8Experts: checks guarded / every call": (lambda: experts(x, idx, wts), lambda: experts_checked(x, idx, wts)),
         "op / launch plan": (lambda: torch.ops.fp8_moe.grouped_experts(*args),
                              lambda: kernels.planned_experts(states, "sig", args)),
+        "call_experts / op": (lambda: ops.call_experts("grouped_experts", args),
+                              lambda: torch.ops.fp8_moe.grouped_experts(*args)),
     }
 
 

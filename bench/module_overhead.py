@@ -10,7 +10,12 @@ and the reshapes.  The sizes do not matter to it (no tensor data is touched); th
 parts are timed on their own too.  Where transformers 5.x with its FP8 experts interface
 is installed, also the plug-in forward's work before the op on one of transformers' own
 ``FP8Experts`` (``fp8_moe_ops.integrations.transformers``: the module's attributes read
-and checked, the op's arguments and block sizes derived).  µs per call:
+and checked, the op's arguments and block sizes derived).  And what the dispatcher costs
+an experts op call: an op of the experts ops' schema whose kernels do nothing
+(``fp8_moe::noop_experts``, registered by ``ops._experts_op`` for this process) called
+as ``torch.ops.fp8_moe.noop_experts`` and through ``ops.call_experts`` (the kernel
+directly, where nothing between would act), with grad enabled, under
+``torch.no_grad()`` and under ``torch.inference_mode()``.  µs per call:
 ``common.host_us_per_call`` (the median of 7 runs of ``--calls`` back-to-back calls).
 Writes ``OUT/module_overhead.json`` / ``.md``.
 """
@@ -23,7 +28,7 @@ import sys
 import torch
 
 from common import ExperimentConfig, Runner, host_us_per_call, markdown_table
-from fp8_moe_ops import FP8Experts, ops
+from fp8_moe_ops import FP8Experts, ops, reference
 
 
 def parts(scheme: str, device: str) -> dict:
@@ -60,6 +65,22 @@ def plugin_parts() -> dict:
     return {"transformers plug-in: reads and checks": prepare}
 
 
+def dispatch_parts(device: str) -> dict:
+    """(grad mode, way) -> a call of ``fp8_moe::noop_experts`` with one token's arguments."""
+    if not hasattr(torch.ops.fp8_moe, "noop_experts"):
+        reference.noop_experts = lambda hidden, *_: hidden  # its CPU kernel; CUDA's is the real op's own
+        ops._experts_op("noop_experts", ops.EXPERTS_SCHEMA, lambda *_: None, lambda *_: None)
+    m = FP8Experts(8, 256, 128, dispatch="grouped", device=device)
+    x = torch.zeros(1, 256, dtype=torch.bfloat16, device=device)
+    args = (x, torch.zeros(1, 2, dtype=torch.int64, device=device), torch.ones(1, 2, device=device),
+            *m.expert_weights())
+    op = torch.ops.fp8_moe.noop_experts
+    modes = {"grad enabled": torch.enable_grad, "no_grad": torch.no_grad, "inference_mode": torch.inference_mode}
+    return {(mode, way): (ctx, fn) for mode, ctx in modes.items()
+            for way, fn in (("through the dispatcher", lambda: op(*args)),
+                            ("ops.call_experts", lambda: ops.call_experts("noop_experts", args)))}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out-dir", required=True)
@@ -79,6 +100,12 @@ def main() -> int:
     for name, fn in plugin_parts().items():
         runner.run(ExperimentConfig("module_overhead", "transformers FP8Experts", 1, name),
                    lambda fn=fn: {"cpu_us": host_us_per_call(fn, args.calls)[0]})
+    if args.device == "cpu":  # on CUDA the op's kernel is the real one
+        for (mode, way), (ctx, fn) in dispatch_parts(args.device).items():
+            def measure(ctx=ctx, fn=fn):
+                with ctx():
+                    return {"cpu_us": host_us_per_call(fn, args.calls)[0]}
+            runner.run(ExperimentConfig("module_overhead", "noop_experts", 1, f"{mode}: {way}"), measure)
     rows = [r.flat() for r in runner.results]
     runner.save(markdown_table(rows, [("part", "variant", ""), ("CPU µs / call", "cpu_us", ".2f"),
                                       ("error", "error", "")]))

@@ -315,6 +315,7 @@ def _check_experts_values(gate_up_scale_inv, down_scale_inv, gate_up_act_scale, 
 
 
 _LIB = torch.library.Library("fp8_moe", "FRAGMENT")  # the experts ops (kept alive: it owns the registrations)
+_KERNELS: dict[str, dict] = {}  # experts op name -> {device type: its kernel}, for call_experts
 
 
 class _NoAutograd(torch.autograd.Function):
@@ -391,6 +392,7 @@ def _experts_op(name: str, schema: str, check, value_check, *, cuda_check=None):
         return plans(args)
 
     backends = {torch._C.DispatchKey.CPU: cpu_impl, torch._C.DispatchKey.CUDA: cuda_impl}
+    _KERNELS[name] = {"cpu": cpu_impl, "cuda": cuda_impl}
 
     def fake(hidden, top_k_index, top_k_weights, gate_up_proj, gate_up_scale_inv, down_proj, down_scale_inv,
              block_size, activation="silu", gate_up_act_scale=None, down_act_scale=None, swiglu_limit=None):
@@ -434,15 +436,50 @@ class ExpertWeights(NamedTuple):
 def experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, weights: ExpertWeights,
             *, dispatch: str = "grouped") -> torch.Tensor:
     """The whole expert forward: ``torch.ops.fp8_moe.grouped_experts`` (``dispatch=
-    "grouped"``) or ``batched_experts`` (``"batched"``) on ``weights``.
-    hidden (T, H), top_k_index / top_k_weights (T, k) -> (T, H)."""
-    if dispatch == "grouped":
-        op = torch.ops.fp8_moe.grouped_experts
-    elif dispatch == "batched":
-        op = torch.ops.fp8_moe.batched_experts
-    else:
+    "grouped"``) or ``batched_experts`` (``"batched"``) on ``weights``, through
+    :func:`call_experts`.  hidden (T, H), top_k_index / top_k_weights (T, k) -> (T, H)."""
+    if dispatch not in ("grouped", "batched"):
         fail(ValueError, "dispatch", "'grouped' or 'batched'", repr(dispatch))
-    return op(hidden, top_k_index, top_k_weights, *weights)
+    return call_experts(dispatch + "_experts", (hidden, top_k_index, top_k_weights, *weights))
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_function_modes = torch._C._is_torch_function_mode_enabled
+_transforms = torch._C._are_functorch_transforms_active
+_profiling = torch._C._autograd._profiler_enabled
+_tracing = torch._C._is_tracing
+_any_requires_grad = torch._C._any_requires_grad
+
+
+def call_experts(name: str, args: Sequence) -> torch.Tensor:
+    """``torch.ops.fp8_moe.<name>(*args)`` for ``grouped_experts`` / ``batched_experts``
+    (``args``: all twelve, in the schema's order); in a plain eager call straight to the
+    kernel the dispatcher would reach for the arguments' device.  It dispatches where
+    anything between would act: compiling, exporting or tracing; a torch function or
+    dispatch mode, a functorch transform or the profiler active; a tensor subclass; grad
+    enabled with an argument that requires it (the autograd kernel refuses backward).
+    The kernel is the op's own, with its checks, so outputs and errors are the op's.
+    Skipped, the dispatcher's boxing and autograd kernel cost 2.4-4.6 µs of CPU per call
+    on the CPU machine (``bench/module_overhead.py``).  The modules and the transformers
+    plug-in call it, as nn.MultiheadAttention's fast path skips its general code; a
+    ``torch.ops.fp8_moe`` call always dispatches."""
+    if not torch.compiler.is_compiling() and _nothing_to_dispatch(args):
+        kernel = _KERNELS[name].get(args[0].device.type)
+        if kernel is not None:
+            return kernel(*args)
+    return getattr(torch.ops.fp8_moe, name)(*args)
+
+
+def _nothing_to_dispatch(args: Sequence) -> bool:
+    if _dispatch_modes() or _function_modes() or _transforms() or _profiling() or _tracing():
+        return False
+    h, i, w, gu, gus, d, ds, _, _, ga, da, _ = args
+    if not (type(h) in _PLAIN and type(i) in _PLAIN and type(w) in _PLAIN and type(gu) in _PLAIN
+            and type(gus) in _PLAIN and type(d) in _PLAIN and type(ds) in _PLAIN
+            and (ga is None or type(ga) in _PLAIN) and (da is None or type(da) in _PLAIN)):
+        return False
+    return not (torch.is_grad_enabled() and _any_requires_grad(h, i, w, gu, gus, d, ds, ga, da))
 
 
 # --------------------------------------------------------------------------- per-expert weight lists

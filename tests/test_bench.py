@@ -291,10 +291,13 @@ def test_module_overhead_runs_on_cpu_and_restores_the_op(common, monkeypatch, tm
     assert overhead.main() == 0
     assert ops.experts is real
     _, results = common.read_json(str(tmp_path / "module_overhead.json"))
-    # and, where transformers' FP8 experts interface is installed, the plug-in's case
+    # and, where transformers' FP8 experts interface is installed, the plug-in's case; then
+    # the dispatcher's cost per grad mode
     assert [r.config.variant for r in results if r.ok] == [
         f"{scheme} {part}" for scheme in ("dynamic", "static")
-        for part in ("forward, op stubbed", "_check_inputs", "expert_weights")] + list(overhead.plugin_parts())
+        for part in ("forward, op stubbed", "_check_inputs", "expert_weights")] + list(overhead.plugin_parts()) + [
+        f"{mode}: {way}" for mode in ("grad enabled", "no_grad", "inference_mode")
+        for way in ("through the dispatcher", "ops.call_experts")]
 
 
 def test_list_parts_runs_on_cpu(common, monkeypatch, tmp_path):

@@ -219,6 +219,93 @@ def test_experts_input_checks_skipped_only_for_checked_metadata():
         assert checks.call_count == 2
 
 
+class _Ops(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the ops dispatched under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+class _Functions(torch.overrides.TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+class _Sub(torch.Tensor):
+    pass
+
+
+def _direct_calls(monkeypatch):
+    """Counts the grouped experts op's CPU kernel calls made by ops.call_experts itself."""
+    from fp8_moe_ops import ops
+
+    kernel = ops._KERNELS["grouped_experts"]["cpu"]
+    calls = []
+    monkeypatch.setitem(ops._KERNELS["grouped_experts"], "cpu", lambda *a: calls.append(1) or kernel(*a))
+    return calls
+
+
+def test_experts_call_the_kernel_directly_only_where_nothing_would_dispatch(monkeypatch):
+    # FP8Experts (as the transformers plug-in) skips the dispatcher in plain eager calls;
+    # with grad to record, a mode, a subclass, the profiler or under compile it dispatches
+    gu, dp = _float_experts(E=4, H=64, I=32)
+    m = FP8Experts.from_float(gu, dp, block_size=(32, 32), dispatch="grouped")
+    hidden = torch.randn(3, 64, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+    idx, w = _routing(3, 4, 2)
+    want = torch.ops.fp8_moe.grouped_experts(hidden, idx, w, *m.expert_weights())
+    calls = _direct_calls(monkeypatch)
+    assert torch.equal(m(hidden, idx, w), want) and len(calls) == 1
+    x = hidden.clone().requires_grad_()
+    with torch.no_grad():
+        assert torch.equal(m(x, idx, w), want) and len(calls) == 2
+    with torch.inference_mode():
+        assert torch.equal(m(hidden, idx, w), want) and len(calls) == 3
+
+    out = m(x, idx, w)  # grad to record: through the op's autograd kernel, which refuses backward
+    assert len(calls) == 3 and out.requires_grad and torch.equal(out.detach(), want)
+    with pytest.raises(RuntimeError, match="fp8_moe::grouped_experts"):
+        out.float().sum().backward()
+    with _Ops() as mode:
+        assert torch.equal(m(hidden, idx, w), want)
+    assert "fp8_moe.grouped_experts.default" in mode.seen and len(calls) == 3
+    with _Functions():
+        assert torch.equal(m(hidden, idx, w), want) and len(calls) == 3
+    assert torch.equal(m(hidden.as_subclass(_Sub), idx, w), want) and len(calls) == 3
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        assert torch.equal(m(hidden, idx, w), want)
+    assert len(calls) == 3 and "fp8_moe::grouped_experts" in {e.name for e in prof.events()}
+    assert torch.equal(torch.compile(m, fullgraph=True, backend="eager")(hidden, idx, w), want)
+    assert len(calls) == 3
+
+
+def test_call_experts_rejects_bad_input_as_the_op_does(monkeypatch):
+    from fp8_moe_ops import ops
+
+    gu, dp = _float_experts(E=4, H=64, I=32)
+    m = FP8Experts.from_float(gu, dp, block_size=(32, 32), dispatch="grouped")
+    hidden = torch.randn(3, 64, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+    idx, w = _routing(3, 4, 2)
+    calls = _direct_calls(monkeypatch)
+    for bad, error in (((hidden, idx.float(), w), "top_k_index: expected dtype"),
+                       ((hidden, idx, w[:, :1]), "top_k_weights: expected shape"),
+                       ((hidden, idx, w), "gate_up_scale_inv: expected finite positive scales")):
+        weights = m.expert_weights()
+        if error.startswith("gate_up_scale_inv"):
+            weights = weights._replace(gate_up_scale_inv=-weights.gate_up_scale_inv)
+        args = (*bad, *weights)
+        with pytest.raises((TypeError, ValueError), match=error) as direct:
+            ops.call_experts("grouped_experts", args)
+        with pytest.raises(type(direct.value), match=error) as dispatched:
+            torch.ops.fp8_moe.grouped_experts(*args)
+        assert str(direct.value) == str(dispatched.value)
+    assert len(calls) == 3
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("static", [False, True])
 def test_export_aoti_package_matches_eager(tmp_path, static):

@@ -43,7 +43,7 @@ from transformers import modeling_utils as _tf_modeling_utils
 from transformers.integrations import finegrained_fp8 as _tf_fp8
 from transformers.integrations import moe as _tf_moe
 
-from .. import ops as _ops  # noqa: F401  (registers torch.ops.fp8_moe)
+from .. import ops as _ops
 from .. import functional
 from .._checks import check_block_size, check_choice, check_scale_dtype, fail
 from ..calibration import calibrate_static_scales
@@ -208,9 +208,9 @@ def _experts_forward(module, hidden_states, top_k_index, top_k_weights, grouped:
     gate_up, gate_up_scale, down, down_scale, activation, gate_up_act, down_act, limit = _op_args(module, get)
     gate_up_block, down_block = _blocks(module, get)
     if gate_up_block == down_block:
-        op = torch.ops.fp8_moe.grouped_experts if grouped else torch.ops.fp8_moe.batched_experts
-        return op(hidden_states, top_k_index, top_k_weights, gate_up, gate_up_scale, down, down_scale,
-                  gate_up_block, activation, gate_up_act, down_act, limit)
+        return _ops.call_experts("grouped_experts" if grouped else "batched_experts",
+                                 (hidden_states, top_k_index, top_k_weights, gate_up, gate_up_scale, down, down_scale,
+                                  gate_up_block, activation, gate_up_act, down_act, limit))
     # Two block sizes: the experts ops' pipeline with one GEMM op per projection, so
     # each reads its own scale grid.
     E = gate_up.shape[0]
