@@ -277,6 +277,30 @@ def test_static_scales_reach_the_ops():
     assert not torch.equal(out, torch.ops.fp8_moe.grouped_experts(*args, "silu"))
 
 
+@pytest.mark.parametrize("impl, op", [(integration.GROUPED, "grouped_experts"), (integration.BATCHED, "batched_experts")])
+def test_the_plug_in_calls_the_kernel_directly_in_plain_eager_calls(monkeypatch, impl, op):
+    # as FP8Experts: without the dispatcher where nothing between would act (here: no
+    # grad to record), through it otherwise; the same output either way
+    from fp8_moe_ops import ops
+
+    mod, cfg = _experts_module((32, 32))
+    gen = torch.Generator().manual_seed(5)
+    _fill_like_checkpoint(mod, torch.randn(E, I, H, generator=gen) * 0.1, torch.randn(E, I, H, generator=gen) * 0.1,
+                          torch.randn(E, H, I, generator=gen) * 0.1, (32, 32))
+    x = torch.randn(8, H, generator=gen).to(torch.bfloat16).requires_grad_()
+    idx = torch.topk(torch.rand(8, E, generator=gen), TOPK).indices
+    w = torch.rand(8, TOPK, generator=gen)
+    cfg._experts_implementation = impl
+    kernel, calls = ops._KERNELS[op]["cpu"], []
+    monkeypatch.setitem(ops._KERNELS[op], "cpu", lambda *a: calls.append(1) or kernel(*a))
+    with torch.no_grad():
+        direct = mod(x, idx, w)
+    assert len(calls) == 1
+    dispatched = mod(x, idx, w)  # x requires grad: the op's autograd kernel
+    assert len(calls) == 1 and dispatched.requires_grad
+    assert torch.equal(direct, dispatched.detach())
+
+
 @pytest.mark.parametrize(
     "config, match",
     [
