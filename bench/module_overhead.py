@@ -14,8 +14,10 @@ and checked, the op's arguments and block sizes derived).  And what the dispatch
 an experts op call: an op of the experts ops' schema whose kernels do nothing
 (``fp8_moe::noop_experts``, registered by ``ops._experts_op`` for this process) called
 as ``torch.ops.fp8_moe.noop_experts`` and through ``ops.call_experts`` (the kernel
-directly, where nothing between would act), with grad enabled, under
-``torch.no_grad()`` and under ``torch.inference_mode()``.  µs per call:
+directly, where nothing between would act), and a GEMM op of ``fp8_moe::linear``'s
+schema defined by ``ops._gemm_op`` with no checks and a kernel returning an empty tensor
+(``fp8_moe::noop_linear``), with grad enabled, under ``torch.no_grad()`` and under
+``torch.inference_mode()``.  µs per call:
 ``common.host_us_per_call`` (the median of 7 runs of ``--calls`` back-to-back calls).
 Writes ``OUT/module_overhead.json`` / ``.md``.
 """
@@ -65,20 +67,28 @@ def plugin_parts() -> dict:
     return {"transformers plug-in: reads and checks": prepare}
 
 
+def _noop_linear_check(x, w, w_scale_inv, block_size, act_scale=None, out_dtype=None):
+    """``fp8_moe::noop_linear``'s checks: none (the signature is the op's)."""
+
+
 def dispatch_parts(device: str) -> dict:
-    """(grad mode, way) -> a call of ``fp8_moe::noop_experts`` with one token's arguments."""
+    """(grad mode, way) -> a call of ``fp8_moe::noop_experts`` with one token's arguments,
+    or of ``fp8_moe::noop_linear``."""
     if not hasattr(torch.ops.fp8_moe, "noop_experts"):
         reference.noop_experts = lambda hidden, *_: hidden  # its CPU kernel; CUDA's is the real op's own
         ops._experts_op("noop_experts", ops.EXPERTS_SCHEMA, lambda *_: None, lambda *_: None)
+        ops._gemm_op("noop_linear", ops.LINEAR_SCHEMA, _noop_linear_check, lambda x, *_: x.new_empty(0))
     m = FP8Experts(8, 256, 128, dispatch="grouped", device=device)
     x = torch.zeros(1, 256, dtype=torch.bfloat16, device=device)
     args = (x, torch.zeros(1, 2, dtype=torch.int64, device=device), torch.ones(1, 2, device=device),
             *m.expert_weights())
-    op = torch.ops.fp8_moe.noop_experts
+    op, linear = torch.ops.fp8_moe.noop_experts, torch.ops.fp8_moe.noop_linear
+    linear_args = (x, m.gate_up_proj[0], torch.empty(0, device=device), [128, 128])  # no scale values to check
     modes = {"grad enabled": torch.enable_grad, "no_grad": torch.no_grad, "inference_mode": torch.inference_mode}
     return {(mode, way): (ctx, fn) for mode, ctx in modes.items()
             for way, fn in (("through the dispatcher", lambda: op(*args)),
-                            ("ops.call_experts", lambda: ops.call_experts("noop_experts", args)))}
+                            ("ops.call_experts", lambda: ops.call_experts("noop_experts", args)),
+                            ("noop_linear", lambda: linear(*linear_args)))}
 
 
 def main() -> int:

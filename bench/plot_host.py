@@ -13,13 +13,16 @@ measurement, e.g. the CUDA-graph time of ``profile_layer`` runs (``graph_us``, v
 ``dynamic``); ``--relative`` plots each run as a fraction of the first run's value (a
 before / after of cases from decode to prefill in one figure), ``--min-tokens`` leaves out
 smaller T.  ``label=path@metric`` plots that run's ``metric`` instead (both ways of one
-``host_ab`` run: ``a_us`` and ``b_us``).  Needs matplotlib (the ``bench`` extra); no GPU.
+``host_ab`` run: ``a_us`` and ``b_us``).  ``--variants "A;B;..."`` makes one group per
+variant instead (each run's first result of it: runs of one case, such as
+``module_overhead``'s parts).  Needs matplotlib (the ``bench`` extra); no GPU.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
 
 from common import read_json
 
@@ -52,6 +55,7 @@ def main() -> int:
     p.add_argument("--ylabel", default="CPU µs per op call")
     p.add_argument("--min-tokens", type=int, default=0, help="only cases with at least this many tokens")
     p.add_argument("--relative", action="store_true", help="each run divided by the first run")
+    p.add_argument("--variants", default=None, help="';'-separated: one group of bars per variant, not per case")
     p.add_argument("--title", default="torch.ops.fp8_moe.grouped_experts: host time per eager call (H200 host)")
     args = p.parse_args()
     import matplotlib
@@ -60,12 +64,17 @@ def main() -> int:
     import matplotlib.pyplot as plt
 
     runs = []
+    variants = args.variants.split(";") if args.variants else None
     for label, path in (r.split("=", 1) for r in args.runs):
         path, _, name = path.partition("@")
-        runs.append((label, metric(path, name or args.metric, args.variant)))
-    cases = sorted(c for c in set.intersection(*(set(data) for _, data in runs)) if c[1] >= args.min_tokens)
+        if variants:
+            runs.append((label, {v: next(iter(metric(path, name or args.metric, v).values())) for v in variants}))
+        else:
+            runs.append((label, metric(path, name or args.metric, args.variant)))
+    cases = variants or sorted(c for c in set.intersection(*(set(data) for _, data in runs))
+                               if c[1] >= args.min_tokens)
     width = 0.8 / len(runs)
-    fig, ax = plt.subplots(figsize=(max(8.0, 0.8 * len(cases)), 4.5))
+    fig, ax = plt.subplots(figsize=(max(8.0, (1.4 if variants else 0.8) * len(cases)), 4.5))
     base = runs[0][1]
     shown = []
     for i, (label, data) in enumerate(runs):
@@ -78,7 +87,8 @@ def main() -> int:
         ax.axhline(1.0, color="grey", linewidth=0.8)
         ax.set_ylim(min(shown) - 0.02, max(shown) + 0.02)
     ax.set_xticks([c + width * (len(runs) - 1) / 2 for c in range(len(cases))])
-    ax.set_xticklabels([f"{model.split('_')[0]}\nT={T}" for model, T in cases], fontsize=8)
+    ax.set_xticklabels([textwrap.fill(c, 16) for c in cases] if variants else
+                       [f"{model.split('_')[0]}\nT={T}" for model, T in cases], fontsize=8)
     ax.set_ylabel(args.ylabel)
     save_figure(fig, ax, args.title, args.out)
     print(f"wrote {args.out} ({len(cases)} cases, {len(runs)} runs)")

@@ -1,8 +1,8 @@
 """The ``fp8_moe`` operator library: schemas, argument checks, registrations, fakes.
 
-This is the one place that defines each op's contract (``docs/ops.md``).  The GEMM
-ops are ``torch.library.custom_op``s; the whole-experts ops are defined on a
-``torch.library.Library`` (:func:`_experts_op` says why).  Every op has
+This is the one place that defines each op's contract (``docs/ops.md``).  The ops are
+defined on a ``torch.library.Library`` (:func:`_define` says why not ``custom_op``).
+Every op has
 
 * a CPU kernel: the pure-torch reference (:mod:`fp8_moe_ops.reference`);
 * a CUDA kernel: the Triton implementation (:mod:`fp8_moe_ops.kernels`);
@@ -14,9 +14,9 @@ under ``torch.export``.  Checks that need tensor *values* (offsets monotonic, sc
 positive) run only on CPU, where they cost no device sync; on CUDA the kernels are
 safe by construction (ids outside [0, E) are sentinels, offsets are clamped to S).
 
-``fp8_moe::linear`` is a ``custom_op`` (not a ``triton_op``) on purpose: the graph
-pass matches it in post-grad graphs, and a ``triton_op`` would be decomposed into its
-body before post-grad passes run.
+``fp8_moe::linear`` is an opaque op (not a ``triton_op``) on purpose: the graph pass
+matches it in post-grad graphs, and a ``triton_op`` would be decomposed into its body
+before post-grad passes run.
 """
 
 from __future__ import annotations
@@ -257,70 +257,13 @@ def _refused_gradients(op: str, grad: torch.Tensor, metas: Sequence, needs_grad:
                  for meta, needs in zip(metas, needs_grad))
 
 
-def _gemm_op(name: str, schema: str, check, ref_fn):
-    """Registers one fp8 GEMM op (``linear``, ``grouped_mm``, ``batched_mm``): the CPU
-    reference and the CUDA kernel behind the same checks, and a fake of shape (rows of
-    x, N).  ``check``'s signature is the op's (its defaults are the schema's): the
-    dispatcher hands a Python kernel the arguments as the caller spelled them."""
-    signature = inspect.signature(check)
-
-    def bind(args, kwargs) -> inspect.BoundArguments:
-        bound = signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        check(*bound.args)
-        return bound
-
-    def cpu_impl(*args, **kwargs):
-        bound = bind(args, kwargs)
-        a = bound.arguments
-        if "offsets" in a:
-            _check_offsets_values(a["offsets"], a["x"].shape[0])
-        check_scale_values("w_scale_inv", a["w_scale_inv"])
-        check_scale_values("act_scale", a["act_scale"])
-        return ref_fn(*bound.args)
-
-    op = torch.library.custom_op(f"fp8_moe::{name}", cpu_impl, mutates_args=(), schema=schema)
-
-    @op.register_fake
-    def _(*args, **kwargs):
-        a = bind(args, kwargs).arguments
-        x = a["x"]
-        return x.new_empty((x.shape[0], a["w"].shape[-2]), dtype=a["out_dtype"] or x.dtype)
-
-    @op.register_kernel("cuda")
-    def _(*args, **kwargs):
-        return getattr(_kernels(), name)(*bind(args, kwargs).args)
-
-    def setup_context(ctx, inputs, output):
-        ctx.metas = _metas(inputs)
-
-    def backward(ctx, grad):
-        return _refused_gradients(f"fp8_moe::{name}", grad, ctx.metas, ctx.needs_input_grad)
-
-    # without it torch's own error asks the caller to register an autograd formula
-    op.register_autograd(backward, setup_context=setup_context)
-    return op
-
-
-linear = _gemm_op("linear", LINEAR_SCHEMA, check_linear, reference.linear)
-grouped_mm = _gemm_op("grouped_mm", GROUPED_MM_SCHEMA, check_grouped_mm, reference.grouped_mm)
-batched_mm = _gemm_op("batched_mm", BATCHED_MM_SCHEMA, check_batched_mm, reference.batched_mm)
-
-
-def _check_experts_values(gate_up_scale_inv, down_scale_inv, gate_up_act_scale, down_act_scale) -> None:
-    check_scale_values("gate_up_scale_inv", gate_up_scale_inv)
-    check_scale_values("down_scale_inv", down_scale_inv)
-    check_scale_values("gate_up_act_scale", gate_up_act_scale)
-    check_scale_values("down_act_scale", down_act_scale)
-
-
-_LIB = torch.library.Library("fp8_moe", "FRAGMENT")  # the experts ops (kept alive: it owns the registrations)
+_LIB = torch.library.Library("fp8_moe", "FRAGMENT")  # the ops but _refused_gradient (it owns their registrations)
 _KERNELS: dict[str, dict] = {}  # experts op name -> {device type: its kernel}, for call_experts
 
 
 class _NoAutograd(torch.autograd.Function):
-    """An experts op called with inputs that require grad: the forward runs as usual;
-    a backward through it raises (the ops are inference-only) instead of producing a
+    """An op called with inputs that require grad: the forward runs as usual; a
+    backward through it raises (the ops are inference-only) instead of producing a
     gradient through the quantisation."""
 
     @staticmethod
@@ -336,27 +279,23 @@ class _NoAutograd(torch.autograd.Function):
         return _refused_gradients(ctx.name, grad, ctx.metas, ctx.needs_input_grad)
 
 
-def _experts_op(name: str, schema: str, check, value_check, *, cuda_check=None):
-    """Defines one whole-experts op on :data:`_LIB`: the CPU reference and the CUDA
-    kernel behind ``check``, a fake, and an autograd kernel that refuses backward.
+def _define(name: str, schema: str, cpu_impl, cuda_impl, fake):
+    """Defines op ``fp8_moe::<name>`` on :data:`_LIB`: ``cpu_impl`` and ``cuda_impl``
+    (called with the op's arguments positionally, trailing defaults possibly left out),
+    ``fake``, and an autograd kernel that refuses backward.
 
     A ``torch.library.Library`` definition rather than ``custom_op``: ``custom_op``'s
     generic Python autograd wrapper, redispatch and output-aliasing check cost 10-14 µs
     of CPU per call on the H200 machine's host (a no-op op: 15-22 µs against 5.5-8.5 µs,
     ``bench/host_parts.py``), a third of a decode step's budget; the autograd kernel
-    here costs about 3 µs (measured on the CPU machine).  On CUDA the metadata checks
-    run on the first call of each :func:`meta_key`, and its second call records the
-    launches as a plan that later calls of the key replay
-    (``fp8_moe_ops.kernels.StackedPlans``, made on the first CUDA call); or,
-    given ``cuda_check``, every CUDA call runs it and goes to the kernel, which keeps
-    its own plans.  The value checks run on CPU only."""
+    here costs about 3 µs (measured on the CPU machine).  Returns the op's packet."""
     _LIB.define(name + schema)
     op = getattr(torch.ops.fp8_moe, name).default
-    plans = None  # the op's StackedPlans, made on its first CUDA call (Triton is imported then)
     tensor_lists = [i for i, a in enumerate(op._schema.arguments) if str(a.type) == "List[Tensor]"]
+    backends = {torch._C.DispatchKey.CPU: cpu_impl, torch._C.DispatchKey.CUDA: cuda_impl}
 
     def autograd_impl(keyset, *args):
-        # the dispatcher passes every argument positionally (the schema has no keyword-only ones);
+        # the dispatcher passes every argument positionally (no schema has keyword-only ones);
         # _any_requires_grad does not look into the list op's Tensor[] arguments
         if torch.is_grad_enabled():
             lists = [args[i] for i in tensor_lists]
@@ -370,6 +309,68 @@ def _experts_op(name: str, schema: str, check, value_check, *, cuda_check=None):
             # again (a Tensor[] of 1024 weights costs tens of microseconds per boxing)
             return impl(*args)
         return op.redispatch(below, *args)
+
+    _LIB.impl(name, autograd_impl, "Autograd", with_keyset=True)
+    _LIB.impl(name, cpu_impl, "CPU")
+    _LIB.impl(name, cuda_impl, "CUDA")
+    torch.library.register_fake(f"fp8_moe::{name}", fake, lib=_LIB)
+    return getattr(torch.ops.fp8_moe, name)
+
+
+def _gemm_op(name: str, schema: str, check, ref_fn):
+    """Defines one fp8 GEMM op (``linear``, ``grouped_mm``, ``batched_mm``): the CPU
+    reference and the CUDA kernel behind the same checks, and a fake of shape (rows of
+    x, N).  ``check``'s signature is the op's, its defaults the schema's: the
+    dispatcher may leave trailing arguments at their defaults out."""
+    defaults = tuple(p.default for p in inspect.signature(check).parameters.values())
+
+    def full(args: tuple) -> tuple:
+        return args + defaults[len(args):] if len(args) < len(defaults) else args
+
+    def cpu_impl(*args):
+        args = full(args)
+        check(*args)
+        x, w_scale_inv, act_scale = args[0], args[2], args[-2]
+        if name == "grouped_mm":
+            _check_offsets_values(args[3], x.shape[0])
+        check_scale_values("w_scale_inv", w_scale_inv)
+        check_scale_values("act_scale", act_scale)
+        return ref_fn(*args)
+
+    def cuda_impl(*args):
+        args = full(args)
+        check(*args)
+        return getattr(_kernels(), name)(*args)
+
+    def fake(*args):
+        args = full(args)
+        check(*args)
+        x, w, out_dtype = args[0], args[1], args[-1]
+        return x.new_empty((x.shape[0], w.shape[-2]), dtype=out_dtype or x.dtype)
+
+    return _define(name, schema, cpu_impl, cuda_impl, fake)
+
+
+linear = _gemm_op("linear", LINEAR_SCHEMA, check_linear, reference.linear)
+grouped_mm = _gemm_op("grouped_mm", GROUPED_MM_SCHEMA, check_grouped_mm, reference.grouped_mm)
+batched_mm = _gemm_op("batched_mm", BATCHED_MM_SCHEMA, check_batched_mm, reference.batched_mm)
+
+
+def _check_experts_values(gate_up_scale_inv, down_scale_inv, gate_up_act_scale, down_act_scale) -> None:
+    check_scale_values("gate_up_scale_inv", gate_up_scale_inv)
+    check_scale_values("down_scale_inv", down_scale_inv)
+    check_scale_values("gate_up_act_scale", gate_up_act_scale)
+    check_scale_values("down_act_scale", down_act_scale)
+
+
+def _experts_op(name: str, schema: str, check, value_check, *, cuda_check=None):
+    """Defines one whole-experts op (:func:`_define`): the CPU reference and the CUDA
+    kernel behind ``check``, and a fake.  On CUDA the metadata checks run on the first
+    call of each :func:`meta_key`, and its second call records the launches as a plan
+    that later calls of the key replay (``fp8_moe_ops.kernels.StackedPlans``, made on
+    the first CUDA call); or, given ``cuda_check``, every CUDA call runs it and goes to
+    the kernel, which keeps its own plans.  The value checks run on CPU only."""
+    plans = None  # the op's StackedPlans, made on its first CUDA call (Triton is imported then)
 
     def cpu_impl(hidden, top_k_index, top_k_weights, gate_up_proj, gate_up_scale_inv, down_proj, down_scale_inv,
                  block_size, activation="silu", gate_up_act_scale=None, down_act_scale=None, swiglu_limit=None):
@@ -391,20 +392,14 @@ def _experts_op(name: str, schema: str, check, value_check, *, cuda_check=None):
             plans = _kernels().StackedPlans(check)
         return plans(args)
 
-    backends = {torch._C.DispatchKey.CPU: cpu_impl, torch._C.DispatchKey.CUDA: cuda_impl}
-    _KERNELS[name] = {"cpu": cpu_impl, "cuda": cuda_impl}
-
     def fake(hidden, top_k_index, top_k_weights, gate_up_proj, gate_up_scale_inv, down_proj, down_scale_inv,
              block_size, activation="silu", gate_up_act_scale=None, down_act_scale=None, swiglu_limit=None):
         check(hidden, top_k_index, top_k_weights, gate_up_proj, gate_up_scale_inv, down_proj, down_scale_inv,
               block_size, activation, gate_up_act_scale, down_act_scale, swiglu_limit)
         return torch.empty_like(hidden, memory_format=torch.contiguous_format)
 
-    _LIB.impl(name, autograd_impl, "Autograd", with_keyset=True)
-    _LIB.impl(name, cpu_impl, "CPU")
-    _LIB.impl(name, cuda_impl, "CUDA")
-    torch.library.register_fake(f"fp8_moe::{name}", fake, lib=_LIB)
-    return getattr(torch.ops.fp8_moe, name)
+    _KERNELS[name] = {"cpu": cpu_impl, "cuda": cuda_impl}
+    return _define(name, schema, cpu_impl, cuda_impl, fake)
 
 
 grouped_experts = _experts_op("grouped_experts", EXPERTS_SCHEMA, check_experts, _check_experts_values)

@@ -297,7 +297,7 @@ def test_module_overhead_runs_on_cpu_and_restores_the_op(common, monkeypatch, tm
         f"{scheme} {part}" for scheme in ("dynamic", "static")
         for part in ("forward, op stubbed", "_check_inputs", "expert_weights")] + list(overhead.plugin_parts()) + [
         f"{mode}: {way}" for mode in ("grad enabled", "no_grad", "inference_mode")
-        for way in ("through the dispatcher", "ops.call_experts")]
+        for way in ("through the dispatcher", "ops.call_experts", "noop_linear")]
 
 
 def test_list_parts_runs_on_cpu(common, monkeypatch, tmp_path):
@@ -483,3 +483,13 @@ def test_aux_kernels_launch_shapes_give_the_shipped_bytes(common, monkeypatch):
             aux.launch(reshaped(size, warps))
             assert all(torch.equal(o.view(torch.uint8), e.view(torch.uint8)) for o, e in zip(outputs, expected)), \
                 (kernel, size, warps)
+
+
+def test_plot_host_groups_runs_of_one_case_by_variant(common, monkeypatch, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    plot = _load("plot_host", monkeypatch)
+    run = BENCH.parent / "docs" / "benchmarks" / "module_overhead_library_new_1.json"
+    monkeypatch.setattr(sys, "argv", ["plot_host.py", "--out", str(tmp_path / "p.png"), "--target", "0", "--variants",
+                                      "no_grad: noop_linear;no_grad: ops.call_experts", f"a={run}", f"b={run}@cpu_us"])
+    assert plot.main() == 0 and (tmp_path / "p.png").stat().st_size > 0
+    assert "(2 cases, 2 runs)" in capsys.readouterr().out
