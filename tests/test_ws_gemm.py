@@ -27,7 +27,6 @@ def _on_fake_hopper(monkeypatch):
     monkeypatch.setattr(triton.knobs.runtime, "interpret", False)
     monkeypatch.setattr(ws_gemm, "_sm90", lambda index: True)
     monkeypatch.setattr(ws_gemm, "AVAILABLE", True)
-    monkeypatch.setattr(ws_gemm, "BY_DEFAULT", True)  # a Triton under which it has run on the GPU
     monkeypatch.setattr(ws_gemm, "programs", lambda device: 132)  # its SMs
     monkeypatch.delenv("FP8_MOE_GLUON", raising=False)
 
@@ -90,20 +89,25 @@ def test_the_shipped_table_takes_the_measured_winners(monkeypatch):
         assert ws_gemm.usable(CUDA, w, torch.ones(E, 1, 1), (128, 128), gemm_config(S, E, N, K)) == chosen, name
 
 
-def test_a_triton_not_yet_run_on_the_gpu_takes_it_only_when_asked(monkeypatch):
-    # with Triton 3.7 the kernel builds, but the launch table's choice of it does not stand
-    _on_fake_hopper(monkeypatch)
-    monkeypatch.setattr(ws_gemm, "BY_DEFAULT", False)
-    w, ws = _weights()
-    assert not ws_gemm.usable(CUDA, w, ws, (128, 128), PREFILL)
-    monkeypatch.setenv("FP8_MOE_GLUON", "1")
-    assert ws_gemm.usable(CUDA, w, ws, (128, 128), PREFILL)
+def test_the_gluon_kernel_runs_with_the_tritons_it_ran_under_on_the_gpu():
+    assert ws_gemm.AVAILABLE == triton.__version__.startswith(("3.6.", "3.7."))
 
 
-def test_the_gluon_kernel_is_on_by_default_with_the_triton_it_ran_under():
-    version = triton.__version__
-    assert ws_gemm.AVAILABLE == version.startswith(("3.6.", "3.7."))
-    assert ws_gemm.BY_DEFAULT == version.startswith("3.6.")
+@needs_gluon
+def test_a_replayed_descriptor_has_every_field_tritons_launcher_reads():
+    # a launch plan replays a Gluon launch with its own descriptor object on the new
+    # address; Triton's CUDA launcher reads the descriptor's fields (3.7 added
+    # round_f32_to_tf32: without it every replay raised AttributeError on the GPU)
+    import dataclasses
+
+    from fp8_moe_ops.kernels import experts
+
+    read = {f.name for f in dataclasses.fields(ws_gemm.TensorDescriptor)} - {"block_shape", "layout"}
+    assert read <= set(experts._Descriptor._fields)
+    x = torch.zeros(256, 128, dtype=FP8)
+    desc = ws_gemm.TensorDescriptor.from_tensor(x, [128, 128], ws_gemm.shared_layout([128, 128]))
+    replay = experts._Described(0, tuple(desc.shape), tuple(desc.strides), desc.padding).at(x.data_ptr())
+    assert all(getattr(replay, name) == getattr(desc, name) for name in read - {"base"})
 
 
 def test_usable_is_false_without_the_gluon_kernel(monkeypatch):

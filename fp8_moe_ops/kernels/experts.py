@@ -378,12 +378,15 @@ class _Address(int):
 
 class _Descriptor(NamedTuple):
     """What Triton's CUDA launcher reads of a TMA descriptor argument (its base's
-    ``data_ptr()``, shape, strides, padding): a replay's descriptor on a new address."""
+    ``data_ptr()``, shape, strides, padding; from Triton 3.7 also whether float32 is
+    rounded to tf32, which the package's e4m3 and bf16 descriptors never ask): a
+    replay's descriptor on a new address."""
 
     base: _Address
     shape: tuple
     strides: tuple
     padding: str
+    round_f32_to_tf32: bool = False
 
 
 class _Described(NamedTuple):

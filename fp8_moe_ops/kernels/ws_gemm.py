@@ -51,9 +51,9 @@ the launch table that chooses it, 128 x 128 blocks or coarser, TMA-aligned K); t
 grouped kernel runs everywhere else, and under ``TRITON_INTERPRET=1`` (Gluon has no
 interpreter).  ``FP8_MOE_GLUON=0`` in the environment turns it off, ``FP8_MOE_GLUON=1``
 on wherever it can run.  The Gluon source is :mod:`.gluon_gemm`, written against the
-experimental Gluon API of Triton 3.6 and 3.7: with another Triton (or none of Gluon's
-Hopper API) the package still imports and the Triton kernel runs every GEMM; with 3.7,
-not yet run on a GPU, only where ``FP8_MOE_GLUON=1`` asks for it.
+experimental Gluon API of Triton 3.6 and 3.7 (both run against the CPU reference on an
+H200: docs/gpu_check.md): with another Triton (or none of Gluon's Hopper API) the
+package still imports and the Triton kernel runs every GEMM.
 """
 
 from __future__ import annotations
@@ -74,16 +74,12 @@ except (ImportError, AttributeError) as exc:  # a Triton whose Gluon differs: th
     _ws_gemm_kernel = None
     logging.getLogger(__name__).info("the Gluon prefill GEMM is unavailable (%s)", exc)
 
-__all__ = ["AVAILABLE", "BY_DEFAULT", "mode", "usable", "tma_ready", "kmajor", "scales_readable", "ws_gemm_call"]
+__all__ = ["AVAILABLE", "mode", "usable", "tma_ready", "kmajor", "scales_readable", "ws_gemm_call"]
 
 # Gluon's API is experimental, so the kernel runs only with the Triton releases it is
-# built for: 3.6 and 3.7 (where a CTA-wide barrier is renamed); with another the Triton
-# kernel runs every GEMM
+# built for and has run under on the GPU: 3.6 and 3.7 (where a CTA-wide barrier is
+# renamed); with another the Triton kernel runs every GEMM
 AVAILABLE = _ws_gemm_kernel is not None and triton.__version__.startswith(("3.6.", "3.7."))
-# whether the launch table's choice of it stands without ``FP8_MOE_GLUON=1``: only with a
-# release under which it has run against the CPU reference on a GPU (docs/gpu_check.md).
-# With 3.7 it compiles for sm_90a and its CPU tests pass, but it has not run on a GPU yet
-BY_DEFAULT = AVAILABLE and triton.__version__.startswith("3.6.")
 
 TILE = 128  # BM = BN = BK
 STAGES = 4  # ring slots (6 measured no faster on the H200: docs/benchmarks.md)
@@ -128,7 +124,7 @@ def usable(device: torch.device, w: torch.Tensor, w_scale: torch.Tensor, block: 
     table chooses: K at least its entry's ``ws_min_k`` (set in its prefill entries and
     in its mid-size ones from 64 rows per expert: measured faster there at every K from
     768 to 14336; the kernel then runs its own 128 x 128 tiles, the entry's tiles being
-    the Triton kernel's; with Triton 3.6 only: :data:`BY_DEFAULT`), overridden by
+    the Triton kernel's), overridden by
     ``FP8_MOE_GLUON``: ``0`` never, ``1`` wherever it can run.  It can run with Triton
     3.6 or 3.7 (:data:`AVAILABLE`) on an sm_90 GPU (not the
     interpreter) for an entry that names a ``ws_min_k`` or has 128 x 128 tiles, without
@@ -137,7 +133,7 @@ def usable(device: torch.device, w: torch.Tensor, w_scale: torch.Tensor, block: 
     K = w.shape[2]
     override = mode()
     chosen = cfg.get("ws_min_k") is not None and K >= cfg["ws_min_k"]
-    if not AVAILABLE or override == "0" or not (override == "1" or (chosen and BY_DEFAULT)):
+    if not AVAILABLE or override == "0" or not (override == "1" or chosen):
         return False
     if device.type != "cuda" or triton.knobs.runtime.interpret:
         return False
