@@ -258,7 +258,7 @@ def _refused_gradients(op: str, grad: torch.Tensor, metas: Sequence, needs_grad:
 
 
 _LIB = torch.library.Library("fp8_moe", "FRAGMENT")  # the ops but _refused_gradient (it owns their registrations)
-_KERNELS: dict[str, dict] = {}  # experts op name -> {device type: its kernel}, for call_experts
+_KERNELS: dict[str, dict] = {}  # op name -> {device type: its kernel}, for call_experts
 
 
 class _NoAutograd(torch.autograd.Function):
@@ -293,6 +293,7 @@ def _define(name: str, schema: str, cpu_impl, cuda_impl, fake):
     op = getattr(torch.ops.fp8_moe, name).default
     tensor_lists = [i for i, a in enumerate(op._schema.arguments) if str(a.type) == "List[Tensor]"]
     backends = {torch._C.DispatchKey.CPU: cpu_impl, torch._C.DispatchKey.CUDA: cuda_impl}
+    _KERNELS[name] = {"cpu": cpu_impl, "cuda": cuda_impl}
 
     def autograd_impl(keyset, *args):
         # the dispatcher passes every argument positionally (no schema has keyword-only ones);
@@ -317,7 +318,35 @@ def _define(name: str, schema: str, cpu_impl, cuda_impl, fake):
     return getattr(torch.ops.fp8_moe, name)
 
 
-class GemmChecks:
+class _OncePerMetadata:
+    """``check`` behind C++ guards (:func:`metadata_guard`) of the last few sets of
+    tensors that passed it under a key (a few: one model may pass Parameters in one
+    layer and plain tensors in another); where torch offers no such guard, ``check``
+    on every call."""
+
+    GUARDS_PER_KEY = 4
+    MAX_KEYS = 256  # cleared when full (a model has a handful)
+
+    def __init__(self, check):
+        self._check = check
+        self._guards: dict[tuple, list] = {}  # key -> guards, newest last
+
+    def _guarded(self, key: tuple, tensors) -> bool:
+        """Whether ``tensors`` pass a guard kept under ``key``."""
+        for guard in reversed(self._guards.get(key, ())):  # a loop: a generator costs the hot path 0.5 µs
+            if guard(*tensors):
+                return True
+        return False
+
+    def _check_and_keep(self, key: tuple, tensors, args) -> None:
+        """``check(*args)`` (raising as ever), then a guard of ``tensors`` under ``key``."""
+        self._check(*args)
+        guard = metadata_guard(tensors)
+        if guard is not None:
+            keep_newest(self._guards, key, guard, self.GUARDS_PER_KEY, self.MAX_KEYS)
+
+
+class GemmChecks(_OncePerMetadata):
     """A GEMM op's metadata checks on CUDA calls, run once per metadata (the CPU kernels
     check every call, values too).
 
@@ -330,25 +359,17 @@ class GemmChecks:
     4 µs of CPU per call on the CPU machine; the key and a guard about 1 µs.  Where torch
     offers no such guard, every call runs every check."""
 
-    GUARDS_PER_KEY = 4
-    MAX_KEYS = 256  # cleared when full (a model has a handful)
-
     def __init__(self, check, block_at: int):
-        self._check = check
+        super().__init__(check)
         self._block_at = block_at  # the position of block_size: the tensors come before it
-        self._guards: dict[tuple, list] = {}
 
     def __call__(self, args: tuple) -> None:
-        block_size, act_scale, out_dtype = args[self._block_at], args[-2], args[-1]
+        act_scale = args[-2]
         tensors = args[:self._block_at] if act_scale is None else (*args[:self._block_at], act_scale)
-        key = (tuple(block_size) if isinstance(block_size, list) else block_size, act_scale is None, out_dtype)
-        for guard in reversed(self._guards.get(key, ())):
-            if guard(*tensors):
-                return
-        self._check(*args)
-        guard = metadata_guard(tensors)
-        if guard is not None:
-            keep_newest(self._guards, key, guard, self.GUARDS_PER_KEY, self.MAX_KEYS)
+        block_size = args[self._block_at]
+        key = (tuple(block_size) if isinstance(block_size, list) else block_size, act_scale is None, args[-1])
+        if not self._guarded(key, tensors):
+            self._check_and_keep(key, tensors, args)
 
 
 def _gemm_op(name: str, schema: str, check, ref_fn):
@@ -434,7 +455,6 @@ def _experts_op(name: str, schema: str, check, value_check, *, cuda_check=None):
               block_size, activation, gate_up_act_scale, down_act_scale, swiglu_limit)
         return torch.empty_like(hidden, memory_format=torch.contiguous_format)
 
-    _KERNELS[name] = {"cpu": cpu_impl, "cuda": cuda_impl}
     return _define(name, schema, cpu_impl, cuda_impl, fake)
 
 
@@ -583,7 +603,7 @@ def _check_experts_list_values(gate_up_scale_inv, down_scale_inv, gate_up_act_sc
     check_scale_values("down_act_scale", down_act_scale)
 
 
-class ListChecks:
+class ListChecks(_OncePerMetadata):
     """``check_experts_list`` on CUDA calls, its per-tensor part run once per metadata.
 
     The lists hold 4E to 6E tensors (1024 at deepseek_v3's E = 256): their checks cost
@@ -599,29 +619,17 @@ class ListChecks:
     other call runs every check (raising as ever) and keeps a guard of its tensors.
     Where torch offers no such guard, every call runs every check."""
 
-    GUARDS_PER_KEY = 4
-    MAX_KEYS = 256  # cleared when full (a model has a handful)
-
-    def __init__(self, check):
-        self._check = check
-        # (hidden's trailing shape and device, list lengths, meta_key of the rest) -> guards, newest last
-        self._guards: dict[tuple, list] = {}
-
     def __call__(self, *args) -> None:
         hidden, top_k_index, top_k_weights = args[:3]
         lists = args[3:7]
         tensors = [*lists[0], *lists[1], *lists[2], *lists[3]]
+        # hidden's trailing shape and device, the list lengths, meta_key of the rest
         key = (hidden.shape[1:], hidden.device, *map(len, lists), meta_key(args[7:]))
-        guards = self._guards.get(key, ())
-        for guard in reversed(guards):
-            if guard(*tensors):
-                _check_routing(hidden, top_k_index, top_k_weights)
-                _check_same_device(hidden=hidden, top_k_index=top_k_index, top_k_weights=top_k_weights)
-                return
-        self._check(*args)
-        guard = metadata_guard(tensors)
-        if guard is not None:
-            keep_newest(self._guards, key, guard, self.GUARDS_PER_KEY, self.MAX_KEYS)
+        if self._guarded(key, tensors):
+            _check_routing(hidden, top_k_index, top_k_weights)
+            _check_same_device(hidden=hidden, top_k_index=top_k_index, top_k_weights=top_k_weights)
+        else:
+            self._check_and_keep(key, tensors, args)
 
 
 grouped_experts_list = _experts_op("grouped_experts_list", EXPERTS_LIST_SCHEMA, check_experts_list,
