@@ -319,6 +319,42 @@ def test_compiled_forward_of_inputs_requiring_grad_runs_and_its_backward_raises(
         out.sum().backward()
 
 
+class _Seen(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the ops dispatched under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_autograd_kernel_reaches_what_each_dispatch_key_set_calls_for_after_plain_calls():
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    # the autograd kernel remembers, per key set, the kernel below it: plain CPU calls
+    # first, then a dispatch mode and fake tensors must each still reach their own
+    # kernel, and plain calls the CPU kernel again
+    x, calls = _gemm_calls_of_grad_input()
+    x = x.detach()
+    args = make_experts_inputs(3, 4, 32, 16, 2, [16, 16])
+    calls["grouped_experts"] = lambda h: OPS.grouped_experts(h, **{k: v for k, v in args.items() if k != "hidden"})
+    inputs = {"grouped_experts": args["hidden"]}
+    for name, call in calls.items():
+        h = inputs.get(name, x)
+        want = call(h)
+        with _Seen() as mode:
+            assert torch.equal(call(h), want)
+        assert f"fp8_moe.{name}.default" in mode.seen
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            fake = call(h)
+        assert isinstance(fake, FakeTensor) and fake.shape == want.shape
+        got = call(h)
+        assert type(got) is torch.Tensor and torch.equal(got, want)
+
+
 def test_experts_op_backward_raises_and_no_grad_output():
     args = make_experts_inputs(3, 4, 32, 16, 2, [16, 16])
     args["hidden"] = args["hidden"].float().requires_grad_()
