@@ -283,13 +283,16 @@ def test_host_overhead_table_shows_the_cost_beyond_the_op(common, monkeypatch):
 
 
 def test_module_overhead_runs_on_cpu_and_restores_the_op(common, monkeypatch, tmp_path):
-    from fp8_moe_ops import ops
-
+    # a fresh process: the script registers no-op ops (fp8_moe::noop_experts, noop_linear)
+    # in the fp8_moe namespace, which a test process should not keep for its other tests
+    code = ("import sys; sys.path[:0] = sys.argv[1:3]; sys.argv = ['module_overhead.py', '--out-dir', sys.argv[3], "
+            "'--calls', '3']; import module_overhead; from fp8_moe_ops import ops; real = ops.experts; "
+            "assert module_overhead.main() == 0; assert ops.experts is real, 'the op was not restored'")
+    proc = subprocess.run([sys.executable, "-c", code, str(BENCH), str(BENCH.parent), str(tmp_path)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not hasattr(torch.ops.fp8_moe, "noop_experts")
     overhead = _load("module_overhead", monkeypatch)
-    real = ops.experts
-    monkeypatch.setattr(sys, "argv", ["module_overhead.py", "--out-dir", str(tmp_path), "--calls", "3"])
-    assert overhead.main() == 0
-    assert ops.experts is real
     _, results = common.read_json(str(tmp_path / "module_overhead.json"))
     # and, where transformers' FP8 experts interface is installed, the plug-in's case; then
     # the dispatcher's cost per grad mode
