@@ -80,6 +80,18 @@ def replay_keeping_workspace(monkeypatch, plan, inputs: list, hidden: torch.Tens
     return out, ws
 
 
+class OpsSeen(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the ops dispatched under it (``seen``: their names)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
 def poison_free_memory() -> None:
     """Fill the CUDA caching allocator's free memory with NaN: an output element the
     kernels forget to write reads back as NaN."""

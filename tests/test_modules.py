@@ -7,7 +7,7 @@ from torch import nn
 import fp8_moe_ops
 from fp8_moe_ops import FP8Experts, FP8Linear
 
-from helpers import assert_agree, rel_err
+from helpers import OpsSeen, assert_agree, rel_err
 
 
 def _float_experts(E=6, H=96, I=64, seed=0):
@@ -219,18 +219,6 @@ def test_experts_input_checks_skipped_only_for_checked_metadata():
         assert checks.call_count == 2
 
 
-class _Ops(torch.utils._python_dispatch.TorchDispatchMode):
-    """Records the ops dispatched under it."""
-
-    def __init__(self):
-        super().__init__()
-        self.seen = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.seen.append(str(func))
-        return func(*args, **(kwargs or {}))
-
-
 class _Functions(torch.overrides.TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         return func(*args, **(kwargs or {}))
@@ -270,7 +258,7 @@ def test_experts_call_the_kernel_directly_only_where_nothing_would_dispatch(monk
     assert len(calls) == 3 and out.requires_grad and torch.equal(out.detach(), want)
     with pytest.raises(RuntimeError, match="fp8_moe::grouped_experts"):
         out.float().sum().backward()
-    with _Ops() as mode:
+    with OpsSeen() as mode:
         assert torch.equal(m(hidden, idx, w), want)
     assert "fp8_moe.grouped_experts.default" in mode.seen and len(calls) == 3
     with _Functions():

@@ -7,7 +7,8 @@ import torch
 import fp8_moe_ops
 from fp8_moe_ops import reference
 
-from helpers import REL_BOUND, assert_agree, experts_float64, make_expert_weights, make_experts_inputs, rel_err
+from helpers import (REL_BOUND, OpsSeen, assert_agree, experts_float64, make_expert_weights, make_experts_inputs,
+                     rel_err)
 
 OPS = torch.ops.fp8_moe
 
@@ -319,18 +320,6 @@ def test_compiled_forward_of_inputs_requiring_grad_runs_and_its_backward_raises(
         out.sum().backward()
 
 
-class _Seen(torch.utils._python_dispatch.TorchDispatchMode):
-    """Records the ops dispatched under it."""
-
-    def __init__(self):
-        super().__init__()
-        self.seen = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.seen.append(str(func))
-        return func(*args, **(kwargs or {}))
-
-
 def test_the_autograd_kernel_reaches_what_each_dispatch_key_set_calls_for_after_plain_calls():
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
@@ -345,7 +334,7 @@ def test_the_autograd_kernel_reaches_what_each_dispatch_key_set_calls_for_after_
     for name, call in calls.items():
         h = inputs.get(name, x)
         want = call(h)
-        with _Seen() as mode:
+        with OpsSeen() as mode:
             assert torch.equal(call(h), want)
         assert f"fp8_moe.{name}.default" in mode.seen
         with FakeTensorMode(allow_non_fake_inputs=True):
