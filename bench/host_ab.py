@@ -19,7 +19,11 @@ difference.  Pairs, per layer and T (uniform routing, dynamic scales):
   ``kernels.planned_experts`` (the plan called directly, no dispatcher or key);
 * ``call_experts / op``: ``fp8_moe_ops.ops.call_experts`` (what the modules call: the
   op's CUDA kernel without the dispatcher, where nothing between would act) against
-  the op.
+  the op;
+* ``linear op / forward``: ``torch.ops.fp8_moe.linear`` on the T rows and the first
+  expert's gate_up matrix (what ``FP8Linear`` calls: the dispatcher, then a launch plan
+  found through a guard) against ``kernels.linear`` (the forward built and launched on
+  every call, without the dispatcher or the checks).
 
 Writes ``OUT/host_ab.json`` / ``.md``; exits 1 if any case failed.
 """
@@ -67,6 +71,7 @@ def interleaved(a, b, rounds: int) -> tuple[float, float]:
 
 def pairs(experts, experts_checked, w, x, idx, wts) -> dict:
     args = (x, idx, wts, *w, BLOCK, "silu", None, None, None)
+    linear = (x, w[0][0], w[1][0], BLOCK)  # the first expert's gate_up matrix as a dense layer's
     guarded, keyed = kernels.StackedPlans(ops.check_experts), KeyedPlans(ops.check_experts)
     states = {}
     return {
@@ -76,6 +81,7 @@ def pairs(experts, experts_checked, w, x, idx, wts) -> dict:
                              lambda: kernels.planned_experts(states, "sig", args)),
         "call_experts / op": (lambda: ops.call_experts("grouped_experts", args),
                               lambda: torch.ops.fp8_moe.grouped_experts(*args)),
+        "linear op / forward": (lambda: torch.ops.fp8_moe.linear(*linear), lambda: kernels.linear(*linear)),
     }
 
 

@@ -17,9 +17,7 @@ as ``torch.ops.fp8_moe.noop_experts`` and through ``ops.call_experts`` (the kern
 directly, where nothing between would act), and a GEMM op of ``fp8_moe::linear``'s
 schema defined by ``ops._gemm_op`` with no checks and a kernel returning an empty tensor
 (``fp8_moe::noop_linear``), with grad enabled, under ``torch.no_grad()`` and under
-``torch.inference_mode()``.  And the GEMM ops' metadata checks as their CUDA kernels
-run them: ``check_linear`` on every call against ``ops.GemmChecks`` (once per
-metadata, then a guard) on a one-token ``FP8Linear`` call's arguments.  µs per call:
+``torch.inference_mode()``.  µs per call:
 ``common.host_us_per_call`` (the median of 7 runs of ``--calls`` back-to-back calls).
 Writes ``OUT/module_overhead.json`` / ``.md``.
 """
@@ -32,7 +30,7 @@ import sys
 import torch
 
 from common import ExperimentConfig, Runner, host_us_per_call, markdown_table
-from fp8_moe_ops import FP8Experts, FP8Linear, ops, reference
+from fp8_moe_ops import FP8Experts, ops, reference
 
 
 def parts(scheme: str, device: str) -> dict:
@@ -93,15 +91,6 @@ def dispatch_parts(device: str) -> dict:
                             ("noop_linear", lambda: linear(*linear_args)))}
 
 
-def gemm_check_parts(device: str) -> dict:
-    """``check_linear`` and ``ops.GemmChecks`` on one token's ``fp8_moe::linear`` arguments."""
-    lin = FP8Linear(256, 256, device=device)
-    args = (torch.zeros(1, 256, dtype=torch.bfloat16, device=device), lin.weight, lin.weight_scale_inv,
-            lin.block_size, None, None)
-    guarded = ops.GemmChecks(ops.check_linear, 3)
-    return {"check_linear, every call": lambda: ops.check_linear(*args), "ops.GemmChecks": lambda: guarded(args)}
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out-dir", required=True)
@@ -127,9 +116,6 @@ def main() -> int:
                 with ctx():
                     return {"cpu_us": host_us_per_call(fn, args.calls)[0]}
             runner.run(ExperimentConfig("module_overhead", "noop_experts", 1, f"{mode}: {way}"), measure)
-    for name, fn in gemm_check_parts(args.device).items():
-        runner.run(ExperimentConfig("module_overhead", "FP8Linear", 1, name),
-                   lambda fn=fn: {"cpu_us": host_us_per_call(fn, args.calls)[0]})
     rows = [r.flat() for r in runner.results]
     runner.save(markdown_table(rows, [("part", "variant", ""), ("CPU µs / call", "cpu_us", ".2f"),
                                       ("error", "error", "")]))

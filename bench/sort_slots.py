@@ -4,7 +4,7 @@
 
 For each benchmark layer and T (uniform and skewed routing, ``common.make_routing``),
 the two ways of sorting its T * k slots by expert that the forward has had:
-``kernels`` (``fp8_moe_ops.kernels.moe._sort_slots``: one launch up to 2048 slots, two
+``kernels`` (``fp8_moe_ops.kernels.gemms._sort_slots``: one launch up to 2048 slots, two
 beyond) and ``torch`` (``fp8_moe_ops.routing.sort_slots``, the forward's sort past 2048
 slots before the three-launch sort, with the inverse permutation that the prefill path
 also needs: ``routing.sorted_positions``).  Metrics: GPU µs of a CUDA-graph replay,
@@ -24,7 +24,7 @@ import torch
 from common import (MODELS, ExperimentConfig, Runner, graph_ms, host_us_per_call, kernels_per_call, make_routing,
                     parse_sweep, results_table)
 from fp8_moe_ops import routing
-from fp8_moe_ops.kernels.moe import _sort_slots
+from fp8_moe_ops.kernels.gemms import _sort_slots
 
 CASES = {"deepseek_v3": [256, 512, 8192, 32768], "qwen3_30b_a3b": [512, 1024, 2048, 16384, 131072],
          "mixtral_8x7b": [2048, 16384]}

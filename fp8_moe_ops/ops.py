@@ -327,65 +327,14 @@ def _define(name: str, schema: str, cpu_impl, cuda_impl, fake):
     return getattr(torch.ops.fp8_moe, name)
 
 
-class _OncePerMetadata:
-    """``check`` behind C++ guards (:func:`metadata_guard`) of the last few sets of
-    tensors that passed it under a key (a few: one model may pass Parameters in one
-    layer and plain tensors in another); where torch offers no such guard, ``check``
-    on every call."""
-
-    GUARDS_PER_KEY = 4
-    MAX_KEYS = 256  # cleared when full (a model has a handful)
-
-    def __init__(self, check):
-        self._check = check
-        self._guards: dict[tuple, list] = {}  # key -> guards, newest last
-
-    def _guarded(self, key: tuple, tensors) -> bool:
-        """Whether ``tensors`` pass a guard kept under ``key``."""
-        for guard in reversed(self._guards.get(key, ())):  # a loop: a generator costs the hot path 0.5 µs
-            if guard(*tensors):
-                return True
-        return False
-
-    def _check_and_keep(self, key: tuple, tensors, args) -> None:
-        """``check(*args)`` (raising as ever), then a guard of ``tensors`` under ``key``."""
-        self._check(*args)
-        guard = metadata_guard(tensors)
-        if guard is not None:
-            keep_newest(self._guards, key, guard, self.GUARDS_PER_KEY, self.MAX_KEYS)
-
-
-class GemmChecks(_OncePerMetadata):
-    """A GEMM op's metadata checks on CUDA calls, run once per metadata (the CPU kernels
-    check every call, values too).
-
-    The key holds the arguments that are not tensors (the block size, whether
-    ``act_scale`` is given, ``out_dtype``); under it, C++ guards
-    (:func:`metadata_guard`) of the last few sets of tensors that passed every check. A
-    call whose tensors pass one has every tensor's dtype, device, shape and strides
-    equal to checked ones, which is all the checks read, and skips them; any other call
-    runs them (raising as ever) and keeps a guard of its tensors.  The checks cost about
-    4 µs of CPU per call on the CPU machine; the key and a guard about 1 µs.  Where torch
-    offers no such guard, every call runs every check."""
-
-    def __init__(self, check, block_at: int):
-        super().__init__(check)
-        self._block_at = block_at  # the position of block_size: the tensors come before it
-
-    def __call__(self, args: tuple) -> None:
-        act_scale = args[-2]
-        tensors = args[:self._block_at] if act_scale is None else (*args[:self._block_at], act_scale)
-        block_size = args[self._block_at]
-        key = (tuple(block_size) if isinstance(block_size, list) else block_size, act_scale is None, args[-1])
-        if not self._guarded(key, tensors):
-            self._check_and_keep(key, tensors, args)
-
-
 def _gemm_op(name: str, schema: str, check, ref_fn):
     """Defines one fp8 GEMM op (``linear``, ``grouped_mm``, ``batched_mm``): the CPU
-    reference and the CUDA kernel behind the same checks (on CUDA once per metadata:
-    :class:`GemmChecks`), and a fake of shape (rows of x, N).  ``check``'s signature is the op's, its defaults the schema's: the
-    dispatcher may leave trailing arguments at their defaults out."""
+    reference and the CUDA kernel behind the same checks, and a fake of shape (rows of
+    x, N).  On CUDA the checks run on the first call of each argument metadata, and
+    later calls of it replay the launches recorded on its second
+    (``fp8_moe_ops.kernels.GemmPlans``, made on the first CUDA call), found through a
+    C++ guard of the tensors' metadata.  ``check``'s signature is the op's, its defaults
+    the schema's: the dispatcher may leave trailing arguments at their defaults out."""
     defaults = tuple(p.default for p in inspect.signature(check).parameters.values())
 
     def full(args: tuple) -> tuple:
@@ -401,12 +350,13 @@ def _gemm_op(name: str, schema: str, check, ref_fn):
         check_scale_values("act_scale", act_scale)
         return ref_fn(*args)
 
-    checks = GemmChecks(check, len(defaults) - 3)
+    plans = None  # the op's GemmPlans, made on its first CUDA call (Triton is imported then)
 
     def cuda_impl(*args):
-        args = full(args)
-        checks(args)
-        return getattr(_kernels(), name)(*args)
+        nonlocal plans
+        if plans is None:
+            plans = _kernels().GemmPlans(name, check)
+        return plans(full(args))
 
     def fake(*args):
         args = full(args)
@@ -612,7 +562,7 @@ def _check_experts_list_values(gate_up_scale_inv, down_scale_inv, gate_up_act_sc
     check_scale_values("down_act_scale", down_act_scale)
 
 
-class ListChecks(_OncePerMetadata):
+class ListChecks:
     """``check_experts_list`` on CUDA calls, its per-tensor part run once per metadata.
 
     The lists hold 4E to 6E tensors (1024 at deepseek_v3's E = 256): their checks cost
@@ -628,17 +578,29 @@ class ListChecks(_OncePerMetadata):
     other call runs every check (raising as ever) and keeps a guard of its tensors.
     Where torch offers no such guard, every call runs every check."""
 
+    GUARDS_PER_KEY = 4
+    MAX_KEYS = 256  # cleared when full (a model has a handful)
+
+    def __init__(self, check):
+        self._check = check
+        # (hidden's trailing shape and device, list lengths, meta_key of the rest) -> guards, newest last
+        self._guards: dict[tuple, list] = {}
+
     def __call__(self, *args) -> None:
         hidden, top_k_index, top_k_weights = args[:3]
         lists = args[3:7]
         tensors = [*lists[0], *lists[1], *lists[2], *lists[3]]
-        # hidden's trailing shape and device, the list lengths, meta_key of the rest
         key = (hidden.shape[1:], hidden.device, *map(len, lists), meta_key(args[7:]))
-        if self._guarded(key, tensors):
-            _check_routing(hidden, top_k_index, top_k_weights)
-            _check_same_device(hidden=hidden, top_k_index=top_k_index, top_k_weights=top_k_weights)
-        else:
-            self._check_and_keep(key, tensors, args)
+        guards = self._guards.get(key, ())
+        for guard in reversed(guards):
+            if guard(*tensors):
+                _check_routing(hidden, top_k_index, top_k_weights)
+                _check_same_device(hidden=hidden, top_k_index=top_k_index, top_k_weights=top_k_weights)
+                return
+        self._check(*args)
+        guard = metadata_guard(tensors)
+        if guard is not None:
+            keep_newest(self._guards, key, guard, self.GUARDS_PER_KEY, self.MAX_KEYS)
 
 
 grouped_experts_list = _experts_op("grouped_experts_list", EXPERTS_LIST_SCHEMA, check_experts_list,

@@ -87,69 +87,6 @@ def test_batched_mm_bad_input():
         OPS.batched_mm(**a, expert_ids=torch.zeros(6))
 
 
-def _counted_gemm_checks(check, block_at):
-    from fp8_moe_ops import ops
-
-    runs = []
-
-    def counted(*args):
-        runs.append(args)
-        check(*args)
-
-    return ops.GemmChecks(counted, block_at), runs
-
-
-def _positional(kwargs, names):
-    return tuple(kwargs.get(n) for n in names)
-
-
-LINEAR_NAMES = ("x", "w", "w_scale_inv", "block_size", "act_scale", "out_dtype")
-GROUPED_NAMES = ("x", "w", "w_scale_inv", "offsets", "block_size", "act_scale", "out_dtype")
-
-
-def test_cuda_gemm_checks_run_once_per_metadata():
-    # the CUDA kernels' checks (ops.GemmChecks) are plain Python: driven here on CPU tensors
-    from fp8_moe_ops import ops
-
-    checks, runs = _counted_gemm_checks(ops.check_linear, 3)
-    a = _linear_args()
-    checks(_positional(a, LINEAR_NAMES))
-    checks(_positional(a | dict(x=a["x"].clone()), LINEAR_NAMES))  # new tensors of the same metadata
-    assert len(runs) == 1
-    checks(_positional(a | dict(x=a["x"][:3]), LINEAR_NAMES))  # another row count: checked
-    checks(_positional(a | dict(act_scale=torch.ones(1)), LINEAR_NAMES))  # static: another key
-    checks(_positional(a | dict(out_dtype=torch.float32), LINEAR_NAMES))  # another output dtype
-    assert len(runs) == 4
-    grouped, runs = _counted_gemm_checks(ops.check_grouped_mm, 4)
-    for _ in range(2):
-        grouped(_positional(_grouped_args(), GROUPED_NAMES))
-    assert len(runs) == 1
-
-
-# every bad input but the value checks (finite positive scales, monotonic offsets: CPU only)
-@pytest.mark.parametrize("change,exc,match", [c for c in LINEAR_BAD if "finite positive" not in c[2]])
-def test_cuda_gemm_checks_catch_bad_input_after_good_calls(change, exc, match):
-    from fp8_moe_ops import ops
-
-    checks, runs = _counted_gemm_checks(ops.check_linear, 3)
-    checks(_positional(_linear_args(), LINEAR_NAMES))
-    checks(_positional(_linear_args(), LINEAR_NAMES))
-    assert len(runs) == 1  # the second call passed the guard: the bad call meets it
-    with pytest.raises(exc, match=match):
-        checks(_positional(_linear_args() | change, LINEAR_NAMES))
-
-
-@pytest.mark.parametrize("change,exc,match", [c for c in GROUPED_BAD if "non-decreasing" not in c[2] and "<=" not in c[2]])
-def test_cuda_grouped_mm_checks_catch_bad_input_after_good_calls(change, exc, match):
-    from fp8_moe_ops import ops
-
-    checks, _ = _counted_gemm_checks(ops.check_grouped_mm, 4)
-    checks(_positional(_grouped_args(), GROUPED_NAMES))
-    checks(_positional(_grouped_args(), GROUPED_NAMES))
-    with pytest.raises(exc, match=match):
-        checks(_positional(_grouped_args() | change, GROUPED_NAMES))
-
-
 EXPERTS_BAD = [
     (dict(hidden=torch.randn(4, 2, 64)), ValueError, "hidden: expected a 2-D"),
     (dict(top_k_index=torch.zeros(4, 0, dtype=torch.long)), ValueError, "top_k >= 1"),          # top_k = 0

@@ -34,7 +34,7 @@ import torch
 
 from fp8_moe_ops import reference, routing
 from fp8_moe_ops import kernels
-from fp8_moe_ops.kernels import experts, moe
+from fp8_moe_ops.kernels import experts, gemms, moe
 from fp8_moe_ops.kernels.experts import ARG_NAMES, ExpertsPlan
 
 from helpers import (EXPERTS_BOUND, GEMM_BOUND, MODELS, division_cases, division_matches, fma_cases,
@@ -199,11 +199,13 @@ GEMM_CASES = {  # S rows, E experts, N, K, block
     "bn!=bk, bk=96": (130, 4, 150, 288, [64, 96]),
     "large": (2048, 8, 1024, 2048, [128, 128]),
 }
+# and a shape of the launch plans' test: more rows than the one-launch sort takes
+GEMM_SHAPES = {**GEMM_CASES, "past the one-launch sort": (4096, 8, 512, 2048, [128, 128])}
 DTYPES = {"bf16": (torch.bfloat16, None), "fp16": (torch.float16, None), "bf16->fp32": (torch.bfloat16, torch.float32)}
 
 
 def _gemm_inputs(case, static, scale_dtype, dtype, seed):
-    S, E, N, K, block = GEMM_CASES[case]
+    S, E, N, K, block = GEMM_SHAPES[case]
     gen = torch.Generator().manual_seed(seed)
     # per-tensor weight scales (E, 1, 1) on one case
     w, ws = make_expert_weights(E, N, K, block, scale_dtype, per_tensor=(S == 45 and scale_dtype == E8M0), std=0.05,
@@ -263,6 +265,34 @@ def test_batched_mm_matches_cpu(case, static, scale_dtype, dtypes):
     _assert_written(out, ref)
     assert (out[((ids < 0) | (ids >= E)).cuda()] == 0).all()
     assert rel_err(out.cpu(), ref) < GEMM_BOUND[out_dtype or dtype]
+
+
+@pytest.mark.parametrize("name", ["linear", "grouped_mm", "batched_mm"])
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+@pytest.mark.parametrize("case", ["T=1", "T<block, prime E, N/K not multiples", "large", "past the one-launch sort"])
+def test_gemm_op_plans_replay_new_inputs_bitwise(name, static, case):
+    # a GEMM op's second call of a signature records its launches (the Gluon kernel's
+    # too, where it runs), later calls replay them behind the guard: bitwise the
+    # forward's output on new values, and the CPU reference's to the GEMMs' bound
+    def inputs(seed):
+        gen, x, w, ws, a, block = _gemm_inputs(case, static, torch.float32, torch.bfloat16, seed)
+        S, E = x.shape[0], w.shape[0]
+        if name == "linear":
+            return (x, w[0], ws[0], block, None if a is None else a[:1], None)
+        if name == "grouped_mm":
+            return (x, w, ws, uneven_offsets(S, E, gen, unrouted=S // 5), block, a, None)
+        return (x, w, ws, torch.randint(-1, E + 1, (S,), generator=gen), block, a, None)
+
+    op = getattr(OPS, name)
+    first, second = inputs(1), inputs(2)
+    first_gpu, second_gpu = [tuple(_cuda(t) for t in args) for args in (first, second)]
+    for _ in range(3):
+        out = op(*first_gpu)
+    poison_free_memory()
+    got = op(*second_gpu)
+    want = getattr(kernels, name)(*second_gpu)
+    assert torch.equal(got, want) and not torch.equal(got, out)
+    assert rel_err(got.cpu(), op(*second)) < GEMM_BOUND[torch.bfloat16]
 
 
 # --------------------------------------------------------------------------- experts
@@ -501,6 +531,6 @@ def test_three_launch_sort_equals_torch_sort(S, E, kind):
         ids = ids.clamp(0, E - 1)
     elif kind == "one":
         ids.fill_(E // 2)
-    perm, offsets = moe._sort_slots(ids, E)
+    perm, offsets = gemms._sort_slots(ids, E)
     rperm, roffsets = routing.sort_slots(ids, E)
     assert perm.dtype == torch.int32 and torch.equal(perm.long(), rperm) and torch.equal(offsets, roffsets)

@@ -39,7 +39,7 @@ from helpers import (FAKE_HEAD, division_cases, division_matches, fma_cases, mak
 INTERPRETED = isinstance(tl.cdiv, InterpretedFunction)
 if INTERPRETED:
     from fp8_moe_ops import kernels, reference
-    from fp8_moe_ops.kernels import experts, moe, quant
+    from fp8_moe_ops.kernels import experts, gemms, moe, quant
     from fp8_moe_ops.kernels.grouped_gemm import _grouped_gemm_kernel
     from fp8_moe_ops.kernels import sort
     from fp8_moe_ops.kernels.sort import _sort_quant_kernel
@@ -309,15 +309,15 @@ def test_grouped_mm_scales_kmajor_past_max_slots_equal_row_major_bitwise():
     x = torch.randn(S, K, generator=gen).to(torch.bfloat16)
     offsets = _counts_to_offsets([11, 0, 20])
     launched = []
-    real = moe._gemm_call
+    real = gemms._gemm_call
 
     def spy(q, q_scale, *a, **k):
         launched.append(q_scale.stride())
         return real(q, q_scale, *a, **k)
 
-    with mock.patch.object(moe, "_gemm_call", spy):
+    with mock.patch.object(gemms, "_gemm_call", spy):
         row_major = kernels.grouped_mm(x, w, ws, offsets, block)
-        with mock.patch.object(moe, "MAX_SLOTS", 16):
+        with mock.patch.object(gemms, "MAX_SLOTS", 16):
             kmajor = kernels.grouped_mm(x, w, ws, offsets, block)
     assert launched == [(3, 1), (1, 37)]
     assert torch.equal(kmajor, row_major) and row_major[:31].abs().sum() > 0
@@ -739,7 +739,7 @@ def test_op_tries_to_guard_a_strided_call_once():
 def test_sort_slots_layout():
     # perm: sorted position -> slot, stable; offsets: inclusive cumsum, sentinels excluded
     idx = torch.tensor([[2, -1], [0, 2], [5, 0]])
-    perm, offsets = moe._sort_slots(idx, 3)
+    perm, offsets = gemms._sort_slots(idx, 3)
     assert perm.tolist() == [2, 5, 0, 3, 1, 4]  # one launch (S <= 2048)
     assert offsets.tolist() == [2, 2, 4]
 
@@ -761,7 +761,7 @@ def test_sort_slots_layout():
 def test_sort_kernel_matches_torch_sort(S, E, kind):
     # the one-launch sort (S <= 2048) and the three-launch sort beyond both give the
     # reference's stable permutation and offsets
-    perm, offsets = moe._sort_slots(_sort_ids(S, E, kind), E)
+    perm, offsets = gemms._sort_slots(_sort_ids(S, E, kind), E)
     rperm, roffsets = reference.sort_by_expert(_sort_ids(S, E, kind).reshape(-1, 1), E)
     assert perm.dtype == torch.int32 and torch.equal(perm.long(), rperm) and torch.equal(offsets, roffsets)
 
@@ -1078,6 +1078,136 @@ def test_a_compiled_plan_hands_each_launcher_the_new_calls_addresses(monkeypatch
             else:
                 assert value == (out if name == "out" else new[name]).data_ptr(), name
     assert bases == {ws.data_ptr()}
+
+
+def _gemm_args(name, static, seed, scale_dtype=torch.float32):
+    """One call's arguments of GEMM op ``name`` (all seven or six, schema order): 13 rows
+    of K = 40 over 3 experts (``linear``: the first), [16, 16] blocks, N = 24, float32
+    out; routing with an empty expert and a sentinel row."""
+    gen = torch.Generator().manual_seed(seed)
+    w, ws = _weights(gen, 3, 24, 40, [16, 16], scale_dtype)
+    x = torch.randn(13, 40, generator=gen).to(torch.bfloat16)
+    a = torch.rand(1 if name == "linear" else 3, generator=gen) * 0.01 + 0.002 if static else None
+    if name == "linear":
+        return (x, w[0], ws[0], [16, 16], a, torch.float32)
+    if name == "grouped_mm":
+        return (x, w, ws, _counts_to_offsets([5, 0, 7]), [16, 16], a, torch.float32)
+    ids = torch.randint(0, 3, (13,), generator=gen)
+    ids[4] = 3  # a sentinel: a zero row
+    return (x, w, ws, ids, [16, 16], a, torch.float32)
+
+
+@pytest.mark.parametrize("name", ["linear", "grouped_mm", "batched_mm"])
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+@pytest.mark.parametrize("scale_dtype", [torch.float32, E8M0], ids=["f32", "ue8m0"])
+def test_gemm_op_records_a_plan_on_its_second_call_and_replays_it_bitwise(name, static, scale_dtype):
+    # the GEMM ops' CUDA kernel (kernels.GemmPlans), driven with CPU tensors and the
+    # interpreted kernels: checks + forward, then record, then replays of other values
+    from fp8_moe_ops import ops
+    from fp8_moe_ops.kernels.experts import ExpertsPlan
+
+    checked = []
+    check = getattr(ops, f"check_{name}")
+    plans = kernels.GemmPlans(name, lambda *args: checked.append(True) or check(*args))
+    calls = [_gemm_args(name, static, seed, scale_dtype) for seed in (1, 2, 3, 4)]
+    states = []
+    for args in calls:
+        want = getattr(kernels, name)(*args)
+        got = plans(args)
+        assert got.shape == (13, 24) and got.dtype == torch.float32 and torch.equal(got, want)
+        states.append(type(next(iter(plans.states.values()))))
+    assert states == [type(None), ExpertsPlan, ExpertsPlan, ExpertsPlan]
+    assert len(plans.states) == 1 and len(checked) == 1
+    assert not torch.equal(plans(calls[3]), plans(calls[2]))
+    _ulp_close(plans(calls[3]), getattr(reference, name)(*calls[3]))
+    bad = list(calls[0])
+    bad[0] = bad[0][:, :32]  # x of another K: a new key, checked, rejected
+    with pytest.raises(ValueError, match="x"):
+        plans(tuple(bad))
+    assert len(plans.states) == 1
+
+
+@pytest.mark.parametrize("name", ["grouped_mm", "batched_mm"])
+def test_gemm_op_replays_behind_its_metadata_guard(name):
+    # once a key has a plan, a call with the same metadata skips the Python key; another
+    # dtype of x is refused by the guard and rejected by the checks
+    from fp8_moe_ops import ops
+    from fp8_moe_ops._checks import meta_key
+
+    if ops.metadata_guard([torch.zeros(1)]) is None:
+        pytest.skip("this torch has no C++ tensor-metadata guard")
+    plans = kernels.GemmPlans(name, getattr(ops, f"check_{name}"))
+    calls = [_gemm_args(name, True, seed) for seed in (5, 6, 7)]
+    for args in calls[:2]:
+        plans(args)
+    with mock.patch.object(experts, "meta_key", wraps=meta_key) as keyed:
+        assert torch.equal(plans(calls[2]), getattr(kernels, name)(*calls[2]))
+        assert keyed.call_count == 0
+        bad = list(calls[2])
+        bad[0] = bad[0].double()
+        with pytest.raises(TypeError, match="x"):
+            plans(tuple(bad))
+        assert keyed.call_count == 1
+
+
+@pytest.mark.parametrize("name", ["linear", "grouped_mm", "batched_mm"])
+def test_gemm_op_plans_of_zero_rows_launch_nothing(name):
+    # no row: an empty output of the recorded dtype on every call, no plan to record
+    from fp8_moe_ops import ops
+
+    args = list(_gemm_args(name, False, 10))
+    args[0] = args[0][:0]
+    if name == "batched_mm":
+        args[3] = args[3][:0]
+    plans = kernels.GemmPlans(name, getattr(ops, f"check_{name}"))
+    for _ in range(3):
+        out = plans(tuple(args))
+        assert out.shape == (0, 24) and out.dtype == torch.float32
+    assert list(plans.states.values()) == [False]
+
+
+def _bad_gemm_cases():
+    """Bad inputs of the GEMM ops' CPU tests (tests/test_bad_input.py) but the value checks
+    (finite positive scales, monotonic offsets: CPU only)."""
+    from test_bad_input import GROUPED_BAD, LINEAR_BAD
+
+    return [("linear", *c) for c in LINEAR_BAD if "finite positive" not in c[2]] + [
+        ("grouped_mm", *c) for c in GROUPED_BAD if "non-decreasing" not in c[2] and "<=" not in c[2]]
+
+
+@pytest.mark.parametrize("name,change,exc,match", _bad_gemm_cases())
+def test_gemm_op_plans_reject_bad_input_after_good_calls(name, change, exc, match):
+    # the checks run once per metadata, then a plan replays (behind a guard where the
+    # sources are the arguments): a bad call after good ones still meets every check
+    from fp8_moe_ops import ops
+    from test_bad_input import _grouped_args, _linear_args
+
+    args_of = _linear_args if name == "linear" else _grouped_args
+    names = gemms.ARG_NAMES[name]
+    plans = kernels.GemmPlans(name, getattr(ops, f"check_{name}"))
+    for _ in range(3):
+        plans(tuple(args_of().get(n) for n in names))
+    assert len(plans.states) == 1
+    with pytest.raises(exc, match=match):
+        plans(tuple((args_of() | change).get(n) for n in names))
+
+
+def test_a_compiled_gemm_plan_allocates_the_recorded_output(monkeypatch):
+    # a GEMM op's output is not like its input rows ((M, N) in out_dtype against x's
+    # (M, K)): a replay allocates the recorded shape and dtype, and hands the launchers
+    # the new call's addresses (linear's weight and scales read as one expert's: views
+    # at the arguments' addresses)
+    first, second = _gemm_args("linear", False, 8), _gemm_args("linear", False, 9)
+    sources = gemms._sources("linear", first)
+    _, env, layout, calls = gemms.gemm_forward("linear", sources, first[3], first[5])
+    plan, got = record_with_fake_launchers(monkeypatch, sources, env, layout, calls, device=3)
+    assert plan.device == 3 and len(calls) == 2  # the quantisation, the GEMM
+    new = gemms._sources("linear", second)
+    out, ws = replay_keeping_workspace(monkeypatch, plan, list(new.values()), second[0])
+    assert out.shape == (13, 24) and out.dtype == torch.float32 and ws.numel() == layout.nbytes
+    addresses = {v for args in got for v in args if isinstance(v, int)}
+    assert {second[0].data_ptr(), second[1].data_ptr(), second[2].data_ptr(), out.data_ptr()} <= addresses
+    assert first[0].data_ptr() not in addresses
 
 
 @pytest.mark.parametrize("shared,other", [("down_act_scale", "gate_up_act_scale"),

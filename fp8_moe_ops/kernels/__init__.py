@@ -6,13 +6,14 @@ with the down projection's quantisation), :mod:`.combine` (deterministic combine
 :mod:`.ws_gemm` (the warp-specialised Gluon GEMM taking prefill GEMMs on Hopper; its
 source :mod:`.gluon_gemm`),
 :mod:`.config` (checked-in launch configs), :mod:`.launch` (cached launches), :mod:`.moe`
-(the GEMM ops' entry points), :mod:`.experts` (the whole-experts forward and its launch
+(the launches the GEMM ops and the experts forward share), :mod:`.gemms` (the GEMM ops and
+their launch plans), :mod:`.experts` (the whole-experts forward and its launch
 plans), :mod:`.moe_list` (the entry point on per-expert weight lists).
 """
 
 from .experts import StackedPlans, batched_experts, grouped_experts, planned_experts
-from .moe import batched_mm, grouped_mm, linear
+from .gemms import GemmPlans, batched_mm, grouped_mm, linear
 from .moe_list import grouped_experts_list
 
 __all__ = ["linear", "grouped_mm", "batched_mm", "grouped_experts", "batched_experts", "grouped_experts_list",
-           "planned_experts", "StackedPlans"]
+           "planned_experts", "StackedPlans", "GemmPlans"]

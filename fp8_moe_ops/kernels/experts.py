@@ -105,6 +105,18 @@ class Layout(NamedTuple):
     buffers: list
     nbytes: int
 
+    @classmethod
+    def of(cls, bufs: list) -> Layout:
+        """The layout of ``bufs`` ((name, dtype, shape) contiguous, or (name, dtype,
+        shape, strides)), in order, each at a multiple of 256 bytes."""
+        buffers, offset = [], 0
+        for name, dt, shape, *strides in bufs:
+            strides = strides[0] if strides else tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+            buffers.append((name, dt, shape, strides, offset))
+            extent = 1 + sum((n - 1) * st for n, st in zip(shape, strides))  # elements from the first to the last
+            offset += cdiv(extent * dt.itemsize, _ALIGN) * _ALIGN
+        return cls(buffers, offset)
+
     def views(self, ws: torch.Tensor) -> list[torch.Tensor]:
         """The buffers as typed views of ``ws`` (``nbytes`` uint8), in order."""
         return [ws.view(dt).as_strided(shape, strides, off // dt.itemsize) for _, dt, shape, strides, off in self.buffers]
@@ -130,20 +142,13 @@ def _layout(T: int, k: int, E: int, H: int, I: int, bk: int, dtype: torch.dtype,
     q_rows = S if static_gate_up or sorted_a else T
     bufs.append(("q", torch.float8_e4m3fn, (q_rows, H)))
     if not static_gate_up:
-        bufs.append(("q_scale", torch.float32, (q_rows, cdiv(H, bk))))
+        G = cdiv(H, bk)
+        bufs.append(("q_scale", torch.float32, (q_rows, G), (1, q_rows) if _kmajor_scales(S) else (G, 1)))
     bufs += [("h", dtype, (S, 2 * I)), ("a_q", torch.float8_e4m3fn, (S, I))]
     if not static_down:
         bufs.append(("a_scale", torch.float32, (S, cdiv(I, bk))))
     bufs.append(("y", dtype, (S, H)))
-    buffers, offset = [], 0
-    for name, dt, shape in bufs:
-        strides = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))  # contiguous
-        if name == "q_scale" and _kmajor_scales(S):
-            strides = (1, shape[0])
-        buffers.append((name, dt, shape, strides, offset))
-        extent = 1 + sum((n - 1) * st for n, st in zip(shape, strides))  # elements from the first to the last
-        offset += cdiv(extent * dt.itemsize, _ALIGN) * _ALIGN
-    return Layout(buffers, offset)
+    return Layout.of(bufs)
 
 
 def _kmajor_scales(S: int) -> bool:
@@ -152,7 +157,7 @@ def _kmajor_scales(S: int) -> bool:
     three-launch sort's path, S > 2048), where the Hopper GEMM (:mod:`.ws_gemm`) then copies
     each K step's scales of a tile's rows (adjacent there) into shared memory beside its
     A tile, measured faster than its consumers' reads of row-major scales where it stores
-    its rows in place (``grouped_mm``'s quantisation, ``moe._quantize``, follows the same
+    its rows in place (``grouped_mm``'s quantisation, ``gemms._layout``, follows the same
     rule).  The down GEMM, which scatters its rows, measured slower with them
     (docs/benchmarks.md): its scales, which the activation writes, stay row-major.  The
     grouped Triton kernel reads either; at decode the fused kernels' few rows read them
@@ -421,18 +426,21 @@ def _template(call: KernelCall, sources: dict) -> tuple | None:
 class ExpertsPlan:
     """The recorded launches of one forward, replayable on any call whose sources have
     the same names, dtypes, shapes, strides, 16-byte alignment and scalar arguments
-    (the caller keys plans on what decides those).
+    (the caller keys plans on what decides those).  The output is allocated as the
+    recorded one: like the first source (``hidden``), or of its recorded shape and dtype
+    where it differs (a GEMM op's).
 
     On a GPU each launcher is called directly with the sources' addresses; under the
     Triton interpreter the recorded calls are replayed through the JIT (the tests)."""
 
-    __slots__ = ("_steps", "_layout", "device", "_offsets", "_constants", "_described")
+    __slots__ = ("_steps", "_layout", "device", "_offsets", "_constants", "_described", "_out")
 
     def __init__(self, steps: list, layout: Layout, device: int | None, constants: list | None = None,
-                 described: list | None = None):
-        # device: the GPU the launchers were compiled for; None: replays through the JIT
+                 described: list | None = None, out: tuple | None = None):
+        # device: the GPU the launchers were compiled for; None: replays through the JIT;
+        # out: None (the output is like the first source), or its (shape, dtype)
         self._steps, self._layout, self.device, self._constants = steps, layout, device, constants
-        self._described = described
+        self._described, self._out = described, out
         self._offsets = [off for *_, off in layout.buffers]
 
     @classmethod
@@ -454,10 +462,12 @@ class ExpertsPlan:
         templates = [_template(call, sources) for call in calls]
         if None in templates:
             return None
+        out, first = env["out"], env[names[0]]
+        out = None if (out.shape, out.dtype) == (first.shape, first.dtype) else (tuple(out.shape), out.dtype)
         entries = [cached(call) for call in calls]
         compiled = [entry.compiled() for entry in entries]
         if all(c is None for c in compiled):  # the interpreter (which runs no Gluon kernel: no descriptors)
-            return cls(list(zip(entries, templates)), layout, None)
+            return cls(list(zip(entries, templates)), layout, None, out=out)
         device = driver.active.get_current_device()
         if any(c is None or c[1] != device for c in compiled):
             return None  # a launcher compiled for another device (the launch cache keys on the tensors' device)
@@ -482,7 +492,7 @@ class ExpertsPlan:
                     picks.append(n_sources + n_constants)
                     n_constants += 1
             steps.append((*how, entry.grid, _picker(picks)))  # launcher, head, packed (launch.Direct), ...
-        return cls(steps, layout, device, constants, described)
+        return cls(steps, layout, device, constants, described, out)
 
     def run(self, inputs: list, hidden: torch.Tensor, aligned: bool = False) -> torch.Tensor | None:
         """The forward on ``inputs`` (the sources' values, in the recorded order);
@@ -495,7 +505,10 @@ class ExpertsPlan:
         values = [None if t is None else t.data_ptr() for t in inputs]
         if aligned and functools.reduce(operator.or_, filter(None, values), 0) & 15:
             return None
-        out = torch.empty_like(hidden, memory_format=torch.contiguous_format)
+        if self._out is None:
+            out = torch.empty_like(hidden, memory_format=torch.contiguous_format)
+        else:
+            out = torch.empty(self._out[0], dtype=self._out[1], device=hidden.device)
         ws = torch.empty(self._layout.nbytes, dtype=torch.uint8, device=hidden.device)
         if device is None:
             tensors = [*inputs, out, *self._layout.views(ws)]
@@ -558,30 +571,34 @@ def planned_experts(states: dict, key, args: tuple) -> torch.Tensor:
     return planned(states, key, sources, args[0], lambda: _stacked(args, sources))
 
 
-class StackedPlans:
-    """The CUDA calls of one stacked experts op (``grouped_experts`` or
-    ``batched_experts``) through its launch plans.  ``plans(args)`` (the twelve
-    arguments in schema order) runs ``check`` on the first call of each
-    :func:`~fp8_moe_ops._checks.meta_key`, and :func:`planned_experts` under that key
-    and the ``FP8_MOE_GLUON`` setting (:func:`.ws_gemm.mode`: it decides which kernel runs
-    a prefill GEMM, so a plan recorded under one setting is not replayed under another).
+class Plans:
+    """The CUDA calls of one op through its launch plans: ``plans(args)`` (the op's
+    arguments in schema order, the first its input rows) runs ``check`` on the first call
+    of each :func:`~fp8_moe_ops._checks.meta_key`, and :func:`planned` under that key and
+    the ``FP8_MOE_GLUON`` setting (:func:`.ws_gemm.mode`: it decides which kernel runs a
+    prefill GEMM, so a plan recorded under one setting is not replayed under another).
+    An op's table says how its sources and forward come from its arguments
+    (:meth:`sources`, :meth:`forward`; the sources named as the arguments they come
+    from, :attr:`ARG_NAMES`) and what its cheap key holds (:meth:`cheap_key`).
 
-    :func:`meta_key` reads five attributes of each of seven to nine tensors in Python:
-    4-5 µs of CPU a call on the CPU machine, about 10 µs on the H200's host.  So once a
-    key has a plan, a call whose sources are the arguments themselves (no strided
-    routing tensor copied dense) and all 16-byte aligned is remembered under a cheaper
-    key (hidden's shape, the other arguments' values, which act scales are given, the setting)
-    with a C++ guard of its tensors' metadata (:func:`metadata_guard`: dtype, device,
-    shape, strides, dispatch keys, requires_grad).  A later call under that key whose
-    tensors pass the guard and whose addresses are 16-byte aligned has the plan's
-    meta_key and replays the plan at once; any other call takes the path above.  A few
-    guards per cheap key (one model may pass Parameters in one layer and plain tensors
-    in another); none where torch offers no such guard.  A meta_key whose calls cannot be
-    guarded (copied or unaligned sources: both fixed by the key) is marked once, so its
-    later calls skip that attempt."""
+    :func:`meta_key` reads five attributes of each tensor in Python: 4-5 µs of CPU a call
+    on the CPU machine for an experts op's seven to nine, about 10 µs on the H200's host.
+    So once a key has a plan, a call whose sources are the arguments themselves (or views
+    at their addresses; no strided argument copied dense) and all 16-byte aligned is
+    remembered under a cheaper key (the first argument's shape, the other arguments'
+    values, which optional tensors are given, the setting) with a C++ guard of its
+    tensors' metadata (:func:`metadata_guard`: dtype, device, shape, strides, dispatch
+    keys, requires_grad).  A later call under that key whose tensors pass the guard and
+    whose addresses are 16-byte aligned has the plan's meta_key and replays the plan at
+    once; any other call takes the path above.  A few guards per cheap key (one model
+    may pass Parameters in one layer and plain tensors in another); none where torch
+    offers no such guard.  A meta_key whose calls cannot be guarded (copied or unaligned
+    sources: both fixed by the key) is marked once, so its later calls skip that
+    attempt."""
 
     GUARDS_PER_KEY = 4
     MAX_KEYS = 256  # cheap keys; cleared when full (a model has a handful)
+    ARG_NAMES: tuple = ()
 
     def __init__(self, check):
         self._check = check
@@ -589,10 +606,23 @@ class StackedPlans:
         self._replays: dict = {}  # cheap key -> [(guard, tensors of args, sources of args, plan)], newest last
         self._keyed_only: set = set()  # (meta_key, FP8_MOE_GLUON) keys whose calls cannot be guarded
 
+    def cheap_key(self, args: tuple, gluon) -> tuple:
+        """The key of the guards: every argument but the tensors, which optional tensors
+        are given, the first tensor's shape and ``gluon`` (the setting)."""
+        raise NotImplementedError
+
+    def sources(self, args: tuple) -> dict:
+        """The tensors the kernels read, by argument name (None for an absent one)."""
+        raise NotImplementedError
+
+    def forward(self, args: tuple, sources: dict) -> tuple:
+        """The forward on ``sources``: (out, env, layout, calls), as :func:`planned` takes."""
+        raise NotImplementedError
+
     def __call__(self, args: tuple) -> torch.Tensor:
         hidden = args[0]
         gluon = ws_gemm.mode()  # the GEMMs a forward launches depend on it: plans are kept per setting
-        cheap = (hidden.shape, *args[7], args[8], args[11], args[9] is None, args[10] is None, gluon)
+        cheap = self.cheap_key(args, gluon)
         guarded = False  # whether a remembered call's guard passed (its plan did not replay)
         for guard, tensors_of, sources_of, plan in reversed(self._replays.get(cheap, ())):
             if guard(*tensors_of(args)):
@@ -604,8 +634,8 @@ class StackedPlans:
         key = (meta_key(args), gluon)
         if key not in self.states:
             self._check(*args)
-        sources = _stacked_sources(args)
-        out = planned(self.states, key, sources, hidden, lambda: _stacked(args, sources))
+        sources = self.sources(args)
+        out = planned(self.states, key, sources, hidden, lambda: self.forward(args, sources))
         plan = self.states.get(key)
         if isinstance(plan, ExpertsPlan) and not guarded and key not in self._keyed_only:
             if not self._remember(cheap, args, sources, plan):
@@ -616,7 +646,7 @@ class StackedPlans:
 
     def _remember(self, cheap: tuple, args: tuple, sources: dict, plan: ExpertsPlan) -> bool:
         """Remembers the call under ``cheap`` with a guard; False where it cannot."""
-        at = {name: i for i, name in enumerate(ARG_NAMES)}
+        at = {name: i for i, name in enumerate(self.ARG_NAMES)}
         for name, t in sources.items():
             a = args[at[name]]
             if t is None or a is None:
@@ -634,3 +664,21 @@ class StackedPlans:
         entry = (guard, operator.itemgetter(*given), _picker([at[name] for name in sources]), plan)
         keep_newest(self._replays, cheap, entry, self.GUARDS_PER_KEY, self.MAX_KEYS)
         return True
+
+
+class StackedPlans(Plans):
+    """The CUDA calls of one stacked experts op (``grouped_experts`` or
+    ``batched_experts``) through its launch plans (:class:`Plans`; the twelve arguments
+    in schema order).  The cheap key: hidden's shape, the block size, activation and
+    limit, which act scales are given, the setting."""
+
+    ARG_NAMES = ARG_NAMES
+
+    def cheap_key(self, args: tuple, gluon) -> tuple:
+        return (args[0].shape, *args[7], args[8], args[11], args[9] is None, args[10] is None, gluon)
+
+    def sources(self, args: tuple) -> dict:
+        return _stacked_sources(args)
+
+    def forward(self, args: tuple, sources: dict) -> tuple:
+        return _stacked(args, sources)

@@ -1,11 +1,9 @@
-"""Entry points of the Triton GEMM ops (``linear``, ``grouped_mm``, ``batched_mm``) and
-the launches they share with the whole-experts forward (:mod:`.experts`).
+"""The launches the GEMM ops (:mod:`.gemms`) and the whole-experts forward
+(:mod:`.experts`) share: the activation quantisation, the grouped GEMM (or the Gluon
+kernel's launch where the launch table takes it) and the three-launch sort.
 
-Each entry point takes exactly the op's arguments (already checked by
-:mod:`fp8_moe_ops.ops`) and returns its output.  They run on CUDA tensors, and on CPU
-tensors under ``TRITON_INTERPRET=1`` (tests).  Each ``_*_call`` builds one kernel's
-launch as a :class:`~.launch.KernelCall` over tensors it is given (it allocates
-nothing); the ``_sort_slots`` / ``_quantize`` / ``_gemm`` wrappers allocate and launch.
+Each ``_*_call`` builds one kernel's launch as a :class:`~.launch.KernelCall` over
+tensors it is given (it allocates nothing); :func:`_quantize` allocates and launches.
 """
 
 from __future__ import annotations
@@ -23,11 +21,7 @@ from .config import block_k, gemm_config
 from .grouped_gemm import WeightTable, _grouped_gemm_kernel, max_row_tiles
 from .launch import KernelCall, launch
 from .quant import _quant_kernel, groups_per_program, quant_launch_shape, scale_grid_strides
-from .sort import (MAX_SLOTS, _sort_hist_kernel, _sort_kernel, _sort_scan_kernel, _sort_scatter_kernel,
-                   large_sort_launch_shape, sort_launch_shape)
-
-__all__ = ["linear", "grouped_mm", "batched_mm"]
-
+from .sort import _sort_hist_kernel, _sort_scan_kernel, _sort_scatter_kernel, large_sort_launch_shape
 
 def _block(block_size: Sequence[int]) -> tuple[int, int]:
     bn, bk = int(block_size[0]), int(block_size[1])
@@ -40,34 +34,15 @@ def _block(block_size: Sequence[int]) -> tuple[int, int]:
 
 def _flat(t: torch.Tensor | None) -> torch.Tensor | None:
     # the kernels index act scales and offsets as dense 1-D arrays (tiny; copied only
-    # when a caller passes a strided view)
-    return None if t is None else t.reshape(-1).contiguous()
+    # when a caller passes a strided view); one already is itself (a plan's source that
+    # is its argument: a guard can find its plan under the interpreter too)
+    if t is None or (t.dim() == 1 and t.is_contiguous()):
+        return t
+    return t.reshape(-1).contiguous()
 
 
 def _ep(E: int) -> int:
     return max(2, next_power_of_2(E))
-
-
-def _sort_slots(expert_ids: torch.Tensor, E: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(perm (S,) int32 sorted position -> slot, offsets (E,) int32): one launch for
-    small S, three beyond (:mod:`.sort`; the same result as :func:`fp8_moe_ops.routing.sort_slots`:
-    the stable order is unique)."""
-    S = expert_ids.numel()
-    device = expert_ids.device
-    perm = torch.empty(S, dtype=torch.int32, device=device)
-    offsets = torch.empty(E, dtype=torch.int32, device=device)
-    if S == 0:  # an empty grid would leave offsets unwritten
-        return perm, offsets.zero_()
-    ids = expert_ids.contiguous()
-    if S > MAX_SLOTS:
-        hist = torch.empty(large_sort_hist_shape(S, E), dtype=torch.int32, device=device)
-        for call in _large_sort_calls(ids, perm, offsets, hist, None, E):
-            launch(call)
-        return perm, offsets
-    grid, block, bins, nb = sort_launch_shape(S, E)
-    launch(KernelCall(_sort_kernel, grid, (ids, perm, offsets, offsets, 0, S, E),
-                      dict(BLOCK=block, NB=bins, NUM_BLOCKS=nb, CNT_BLOCK=0), {}))  # no counters to zero
-    return perm, offsets
 
 
 def large_sort_hist_shape(S: int, E: int) -> tuple[int, int]:
@@ -95,7 +70,8 @@ def _quant_call(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, rows: int, bk
                 static: bool = False, topk: int = 1, ids=None, num_experts: int = 0, dest=None) -> KernelCall | None:
     """Dynamic: x's ``rows`` rows -> q (rows, K) and their scales s (rows, G).  Static,
     with each row's expert's scale ``s`` (E,): the ``rows`` sorted rows (source row
-    ``perm[i] // topk`` when ``perm`` is given), or with ``ids`` (the contiguous
+    ``perm[i] // topk`` when ``perm`` is given; without ``offsets``, every row with
+    ``s[0]``: one matrix's rows), or with ``ids`` (the contiguous
     (T, topk) expert ids of ``num_experts``) x's ``rows`` = T rows into their T * topk
     slots in slot order (slot ``t * topk + j``) -> q.  With ``ids`` and ``dest`` (the
     (T * topk,) row of q for each slot), either scheme: slot ``i`` into row
@@ -108,34 +84,27 @@ def _quant_call(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, rows: int, bk
     (row_blocks, groups), block_r, block_g = quant_launch_shape(rows, K, bk, topk if slots else 1)
     gpp = groups_per_program(row_blocks, groups) if static else 1
     E = num_experts if slots else offsets.shape[0] if offsets is not None else 1
+    # a static call without offsets searches none: its rows are all expert 0's
+    search = E.bit_length() if slots or offsets is not None or not static else 0
     index = ids if slots else perm if perm is not None else q
     return KernelCall(_quant_kernel, (row_blocks, cdiv(groups, gpp)), (
         x, x.stride(0), x.stride(1), q, s, *scale_grid_strides(s, static),
         index, offsets if offsets is not None else q, s, dest if dest is not None else q,
         rows, K, E,
     ), dict(TOPK=topk, KP=next_power_of_2(topk), GROUP=bk, BLOCK_R=block_r, BLOCK_G=block_g,
-            SEARCH_STEPS=E.bit_length(), STATIC=static, GATHER=perm is not None, SLOTS=slots, DEST=dest is not None,
+            SEARCH_STEPS=search, STATIC=static, GATHER=perm is not None, SLOTS=slots, DEST=dest is not None,
             GPP=gpp),
         {})
 
 
-def _quantize(x, bk: int, rows: int, *, perm=None, offsets=None, act_scale=None, topk: int = 1,
-              in_place: bool = False):
-    """:func:`_quant_call` into new tensors: dynamic -> (q, scale (rows, G)); static
-    (``act_scale`` (E,)) -> (q, act_scale).  With ``in_place`` (a grouped GEMM that
-    stores its rows in place reads them) the dynamic scales of more than ``MAX_SLOTS``
-    rows are laid out K-group major, as the Hopper GEMM reads them fastest there
-    (:func:`.ws_gemm.kmajor`; the experts forward's rule, ``experts._kmajor_scales``)."""
+def _quantize(x, bk: int, rows: int, *, offsets=None, act_scale=None):
+    """:func:`_quant_call` into new tensors (the quantisation on its own, as the tests and
+    benchmarks check and time it): dynamic -> (q, scale (rows, G)); static
+    (``act_scale`` (E,), ``offsets`` its experts' rows) -> (q, act_scale)."""
     static = act_scale is not None
     q = torch.empty((rows, x.shape[1]), dtype=torch.float8_e4m3fn, device=x.device)
-    G = cdiv(x.shape[1], bk)
-    if static:
-        s = act_scale
-    elif in_place and rows > MAX_SLOTS:
-        s = torch.empty((G, rows), dtype=torch.float32, device=x.device).t()
-    else:
-        s = torch.empty((rows, G), dtype=torch.float32, device=x.device)
-    launch(_quant_call(x, q, s, rows, bk, perm=perm, offsets=offsets, static=static, topk=topk))
+    s = act_scale if static else torch.empty((rows, cdiv(x.shape[1], bk)), dtype=torch.float32, device=x.device)
+    launch(_quant_call(x, q, s, rows, bk, offsets=offsets, static=static))
     return q, s
 
 
@@ -255,62 +224,3 @@ def _gemm_call(q, q_scale, w, w_scale, block, out, *, offsets=None, perm=None, g
 def down_split(S: int, E: int, N: int, K: int) -> int:
     """K ranges of the down GEMM with the combine in its launch (its ``partials``)."""
     return gemm_config(S, E, N, K, True).get("SPLIT", 1)
-
-
-def _gemm(q, q_scale, w, w_scale, block, out, **kw):
-    """:func:`_gemm_call`, launched; returns ``out``."""
-    launch(_gemm_call(q, q_scale, w, w_scale, block, out, **kw))
-    return out
-
-
-def linear(x, w, w_scale_inv, block_size, act_scale=None, out_dtype=None):
-    """x (M, K) @ dequant(w (N, K))^T -> (M, N); ``act_scale`` one element (static)."""
-    block = _block(block_size)
-    M = x.shape[0]
-    out = torch.empty((M, w.shape[0]), dtype=out_dtype or x.dtype, device=x.device)
-    if M == 0:
-        return out
-    w3, s3 = w.unsqueeze(0), w_scale_inv.unsqueeze(0)
-    if act_scale is None:
-        q, qs = _quantize(x, block[1], M)
-        return _gemm(q, qs, w3, s3, block, out)
-    a_s = _flat(act_scale)
-    # static with one expert: the rows' expert comes from offsets = [M]
-    offsets = torch.full((1,), M, dtype=torch.int32, device=x.device)
-    q, _ = _quantize(x, block[1], M, offsets=offsets, act_scale=a_s)
-    return _gemm(q, a_s, w3, s3, block, out, static=True)
-
-
-def grouped_mm(x, w, w_scale_inv, offsets, block_size, act_scale=None, out_dtype=None):
-    """x (S, K) sorted by expert, offsets (E,) int32 -> (S, N); rows past offsets[-1] zero."""
-    block = _block(block_size)
-    S = x.shape[0]
-    out = torch.empty((S, w.shape[1]), dtype=out_dtype or x.dtype, device=x.device)
-    if S == 0:
-        return out
-    offsets, act_scale = _flat(offsets), _flat(act_scale)
-    if act_scale is None:
-        q, qs = _quantize(x, block[1], S, in_place=True)
-    else:
-        q, qs = _quantize(x, block[1], S, offsets=offsets, act_scale=act_scale)
-    return _gemm(q, qs, w, w_scale_inv, block, out, offsets=offsets, static=act_scale is not None)
-
-
-def batched_mm(x, w, w_scale_inv, expert_ids, block_size, act_scale=None, out_dtype=None):
-    """x (S, K), expert_ids (S,) -> (S, N); ids outside [0, E) give zero rows.
-
-    Sorts the rows by expert on the device and runs the grouped kernel, gathering
-    A rows and scattering output rows through the permutation."""
-    block = _block(block_size)
-    S = x.shape[0]
-    out = torch.empty((S, w.shape[1]), dtype=out_dtype or x.dtype, device=x.device)
-    if S == 0:
-        return out
-    perm, offsets = _sort_slots(expert_ids, w.shape[0])
-    act_scale = _flat(act_scale)
-    if act_scale is None:
-        q, qs = _quantize(x, block[1], S)
-        return _gemm(q, qs, w, w_scale_inv, block, out, offsets=offsets, perm=perm, gather_a=True,
-                     scatter_out=True)
-    q, qs = _quantize(x, block[1], S, perm=perm, offsets=offsets, act_scale=act_scale)
-    return _gemm(q, qs, w, w_scale_inv, block, out, offsets=offsets, perm=perm, scatter_out=True, static=True)

@@ -260,8 +260,11 @@ def quant_block(pid_r, pid_g, x_ptr, stride_xm, stride_xk, q_ptr, s_ptr, stride_
     else:
         expert = None  # dynamic scales do not depend on the expert
         if STATIC:
-            expert = expert_of_rows(rows, offsets_ptr, E, SEARCH_STEPS)
-            rmask = rmask & (expert < E)
+            if SEARCH_STEPS > 0:
+                expert = expert_of_rows(rows, offsets_ptr, E, SEARCH_STEPS)
+                rmask = rmask & (expert < E)
+            else:  # one matrix's rows (no offsets): all expert 0's
+                expert = tl.zeros_like(rows)
             if GATHER:
                 src = tl.load(perm_ptr + rows, mask=rmask, other=0) // TOPK
     for i in tl.range(GPP, loop_unroll_factor=1):
