@@ -17,7 +17,9 @@ as ``torch.ops.fp8_moe.noop_experts`` and through ``ops.call_experts`` (the kern
 directly, where nothing between would act), and a GEMM op of ``fp8_moe::linear``'s
 schema defined by ``ops._gemm_op`` with no checks and a kernel returning an empty tensor
 (``fp8_moe::noop_linear``), with grad enabled, under ``torch.no_grad()`` and under
-``torch.inference_mode()``.  µs per call:
+``torch.inference_mode()``.  And the real ``fp8_moe::linear`` on one token (32 x 32, the
+CPU reference's kernel) through the dispatcher and through ``ops.call_linear``, as
+``FP8Linear`` calls it (a tenth of ``--calls``).  µs per call:
 ``common.host_us_per_call`` (the median of 7 runs of ``--calls`` back-to-back calls).
 Writes ``OUT/module_overhead.json`` / ``.md``.
 """
@@ -30,7 +32,7 @@ import sys
 import torch
 
 from common import ExperimentConfig, Runner, host_us_per_call, markdown_table
-from fp8_moe_ops import FP8Experts, ops, reference
+from fp8_moe_ops import FP8Experts, FP8Linear, ops, reference
 
 
 def parts(scheme: str, device: str) -> dict:
@@ -91,6 +93,15 @@ def dispatch_parts(device: str) -> dict:
                             ("noop_linear", lambda: linear(*linear_args)))}
 
 
+def linear_parts(device: str) -> dict:
+    """A one-token ``fp8_moe::linear`` call (32 x 32, the CPU reference's kernel on CPU)
+    through the dispatcher and through ``ops.call_linear`` (what ``FP8Linear`` calls)."""
+    lin = FP8Linear(32, 32, block_size=(32, 32), device=device)
+    args = (torch.zeros(1, 32, dtype=torch.bfloat16, device=device), lin.weight, lin.weight_scale_inv, [32, 32], None)
+    return {"linear, one token: through the dispatcher": lambda: torch.ops.fp8_moe.linear(*args),
+            "linear, one token: ops.call_linear": lambda: ops.call_linear(*args)}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out-dir", required=True)
@@ -116,6 +127,9 @@ def main() -> int:
                 with ctx():
                     return {"cpu_us": host_us_per_call(fn, args.calls)[0]}
             runner.run(ExperimentConfig("module_overhead", "noop_experts", 1, f"{mode}: {way}"), measure)
+        for name, fn in linear_parts(args.device).items():
+            runner.run(ExperimentConfig("module_overhead", "FP8Linear", 1, name),
+                       lambda fn=fn: {"cpu_us": host_us_per_call(fn, max(1, args.calls // 10))[0]})
     rows = [r.flat() for r in runner.results]
     runner.save(markdown_table(rows, [("part", "variant", ""), ("CPU µs / call", "cpu_us", ".2f"),
                                       ("error", "error", "")]))

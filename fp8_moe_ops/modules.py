@@ -170,7 +170,8 @@ class FP8Linear(_CheckedStateDict, nn.Module):
         bias: (out_features,) or ``None``.
 
     ``forward`` takes (..., in_features) in bf16/fp16/fp32 and returns (..., out_features)
-    in the same dtype.
+    in the same dtype, through ``fp8_moe::linear`` (in a plain eager call straight to its
+    kernel: :func:`fp8_moe_ops.ops.call_linear`).
     """
 
     in_features, out_features, block_size = _fixed("in_features"), _fixed("out_features"), _fixed("block_size")
@@ -230,7 +231,7 @@ class FP8Linear(_CheckedStateDict, nn.Module):
         if self._observer is not None:
             self._observer.copy_(torch.maximum(self._observer, _abs_max(x2)))
         act_scale = self.activation_scale if self.activation_scheme == "static" else None
-        y = torch.ops.fp8_moe.linear(x2, weight, self.weight_scale_inv, self._block_size, act_scale)
+        y = ops.call_linear(x2, weight, self.weight_scale_inv, self._block_size, act_scale)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)

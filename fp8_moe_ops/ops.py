@@ -453,7 +453,7 @@ def experts(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torc
     return call_experts(dispatch + "_experts", (hidden, top_k_index, top_k_weights, *weights))
 
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_PLAIN = frozenset((torch.Tensor, torch.nn.Parameter, type(None)))  # None: an optional tensor not given
 _dispatch_modes = torch._C._len_torch_dispatch_stack
 _function_modes = torch._C._is_torch_function_mode_enabled
 _transforms = torch._C._are_functorch_transforms_active
@@ -475,22 +475,34 @@ def call_experts(name: str, args: Sequence) -> torch.Tensor:
     host (``bench/host_ab.py``).  The modules and the transformers
     plug-in call it, as nn.MultiheadAttention's fast path skips its general code; a
     ``torch.ops.fp8_moe`` call always dispatches."""
-    if not torch.compiler.is_compiling() and _nothing_to_dispatch(args):
-        kernel = _KERNELS[name].get(args[0].device.type)
+    h, i, w, gu, gus, d, ds, _, _, ga, da, _ = args
+    if not torch.compiler.is_compiling() and _nothing_to_dispatch(h, i, w, gu, gus, d, ds, ga, da):
+        kernel = _KERNELS[name].get(h.device.type)
         if kernel is not None:
             return kernel(*args)
     return getattr(torch.ops.fp8_moe, name)(*args)
 
 
-def _nothing_to_dispatch(args: Sequence) -> bool:
+def call_linear(x, w, w_scale_inv, block_size, act_scale=None) -> torch.Tensor:
+    """``torch.ops.fp8_moe.linear(x, w, w_scale_inv, block_size, act_scale)``, straight to
+    the op's kernel for x's device in a plain eager call, as :func:`call_experts` for the
+    experts ops (``FP8Linear`` calls it)."""
+    if not torch.compiler.is_compiling() and _nothing_to_dispatch(x, w, w_scale_inv, act_scale):
+        kernel = _KERNELS["linear"].get(x.device.type)
+        if kernel is not None:
+            return kernel(x, w, w_scale_inv, block_size, act_scale)
+    return torch.ops.fp8_moe.linear(x, w, w_scale_inv, block_size, act_scale)
+
+
+def _nothing_to_dispatch(*tensors) -> bool:
+    """Whether nothing between a caller and an op's kernel would act on a call with these
+    tensors (None: an optional one not given)."""
     if _dispatch_modes() or _function_modes() or _transforms() or _profiling() or _tracing():
         return False
-    h, i, w, gu, gus, d, ds, _, _, ga, da, _ = args
-    if not (type(h) in _PLAIN and type(i) in _PLAIN and type(w) in _PLAIN and type(gu) in _PLAIN
-            and type(gus) in _PLAIN and type(d) in _PLAIN and type(ds) in _PLAIN
-            and (ga is None or type(ga) in _PLAIN) and (da is None or type(da) in _PLAIN)):
-        return False
-    return not (torch.is_grad_enabled() and _any_requires_grad(h, i, w, gu, gus, d, ds, ga, da))
+    for t in tensors:  # a loop: any() over a generator costs more
+        if type(t) not in _PLAIN:
+            return False
+    return not (torch.is_grad_enabled() and _any_requires_grad(*tensors))
 
 
 # --------------------------------------------------------------------------- per-expert weight lists

@@ -300,7 +300,8 @@ def test_module_overhead_runs_on_cpu_and_restores_the_op(common, monkeypatch, tm
         f"{scheme} {part}" for scheme in ("dynamic", "static")
         for part in ("forward, op stubbed", "_check_inputs", "expert_weights")] + list(overhead.plugin_parts()) + [
         f"{mode}: {way}" for mode in ("grad enabled", "no_grad", "inference_mode")
-        for way in ("through the dispatcher", "ops.call_experts", "noop_linear")]
+        for way in ("through the dispatcher", "ops.call_experts", "noop_linear")] + [
+        "linear, one token: through the dispatcher", "linear, one token: ops.call_linear"]
 
 
 def test_list_parts_runs_on_cpu(common, monkeypatch, tmp_path):

@@ -271,6 +271,40 @@ def test_experts_call_the_kernel_directly_only_where_nothing_would_dispatch(monk
     assert len(calls) == 3
 
 
+def test_fp8_linear_calls_the_kernel_directly_only_where_nothing_would_dispatch(monkeypatch):
+    # as FP8Experts: plain eager calls skip the dispatcher (ops.call_linear); grad to record,
+    # a mode, a subclass or compile dispatch (the pass reads fp8_moe::linear in the graph)
+    from fp8_moe_ops import ops
+
+    torch.manual_seed(0)
+    lin = FP8Linear.from_float(nn.Linear(64, 32), block_size=(32, 32))
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
+    kernel, calls = ops._KERNELS["linear"]["cpu"], []
+    monkeypatch.setitem(ops._KERNELS["linear"], "cpu", lambda *a: calls.append(1) or kernel(*a))
+    want = torch.ops.fp8_moe.linear(x, lin.weight, lin.weight_scale_inv, [32, 32]) + lin.bias.to(torch.bfloat16)
+    assert torch.equal(lin(x), want) and len(calls) == 1
+    xg = x.clone().requires_grad_()
+    out = lin(xg)  # grad to record: the op's autograd kernel, which refuses backward
+    assert len(calls) == 1 and out.requires_grad and torch.equal(out.detach(), want)
+    with pytest.raises(RuntimeError, match="fp8_moe::linear"):
+        out.float().sum().backward()
+    with OpsSeen() as mode:
+        assert torch.equal(lin(x), want)
+    assert "fp8_moe.linear.default" in mode.seen and len(calls) == 1
+    with _Functions():
+        assert torch.equal(lin(x), want) and len(calls) == 1
+    assert torch.equal(lin(x.as_subclass(_Sub)), want) and len(calls) == 1
+    with torch.no_grad():
+        assert torch.equal(torch.compile(lin, fullgraph=True, backend="eager")(x), want)
+        assert len(calls) == 1
+        assert torch.equal(lin(xg), want) and len(calls) == 2
+    with pytest.raises(TypeError, match="x: expected dtype") as direct:
+        ops.call_linear(x.int(), lin.weight, lin.weight_scale_inv, [32, 32])
+    with pytest.raises(TypeError, match="x: expected dtype") as dispatched:
+        torch.ops.fp8_moe.linear(x.int(), lin.weight, lin.weight_scale_inv, [32, 32])
+    assert str(direct.value) == str(dispatched.value) and len(calls) == 3
+
+
 def test_call_experts_rejects_bad_input_as_the_op_does(monkeypatch):
     from fp8_moe_ops import ops
 
