@@ -23,6 +23,7 @@ from .launch import KernelCall, launch
 from .quant import _quant_kernel, groups_per_program, quant_launch_shape, scale_grid_strides
 from .sort import _sort_hist_kernel, _sort_scan_kernel, _sort_scatter_kernel, large_sort_launch_shape
 
+
 def _block(block_size: Sequence[int]) -> tuple[int, int]:
     bn, bk = int(block_size[0]), int(block_size[1])
     if block_k(bk) < 16:
