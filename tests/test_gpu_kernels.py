@@ -29,6 +29,8 @@ comes from a seeded generator, so a failure reproduces.  What is checked:
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 
@@ -289,7 +291,9 @@ def test_gemm_op_plans_replay_new_inputs_bitwise(name, static, case):
     for _ in range(3):
         out = op(*first_gpu)
     poison_free_memory()
-    got = op(*second_gpu)
+    with mock.patch.object(ExpertsPlan, "run", autospec=True, side_effect=ExpertsPlan.run) as run:
+        got = op(*second_gpu)
+    assert run.call_count == 1  # replayed
     want = getattr(kernels, name)(*second_gpu)
     assert torch.equal(got, want) and not torch.equal(got, out)
     assert rel_err(got.cpu(), op(*second)) < GEMM_BOUND[torch.bfloat16]
