@@ -905,6 +905,22 @@ def test_experts_list_plan_replays_new_inputs_and_new_weights(separate, static):
     assert len(moe_list._PLANS) == 1  # one signature, one plan, four calls
 
 
+def test_experts_list_plan_of_one_act_scale_tensor_for_both_projections():
+    # one (E,) tensor as both act scales: two sources of one recorded plan, which replays
+    from fp8_moe_ops.kernels import moe_list
+    from helpers import as_expert_lists
+
+    moe_list._PLANS.clear()
+    outs = []
+    for seed in (33, 34, 35):
+        args, kw = _experts_args("sentinels", torch.bfloat16, torch.float32, True, seed=seed)
+        kw["down_act_scale"] = kw["gate_up_act_scale"]
+        lists = as_expert_lists(dict(zip(_NAMES, args)), False)
+        outs.append((kernels.grouped_experts_list(**lists, **kw), kernels.grouped_experts(*args, **kw)))
+    assert [type(p).__name__ for p in moe_list._PLANS.values()] == ["ExpertsPlan"]
+    assert all(torch.equal(got, want) for got, want in outs)
+
+
 @pytest.mark.parametrize("BN", [16, 64], ids=["tile_in_block", "tile_spans_blocks"])
 def test_experts_list_weight_scale_per_tile_and_per_column(monkeypatch, BN):
     # bn = 32, I = 32: BN = 16 takes one weight scale per tile, BN = 64 one per column

@@ -174,9 +174,13 @@ def _counters(S: int, H: int, I: int, bk: int) -> tuple[int, int | None]:
 
 
 def routing_sources(hidden, top_k_index, top_k_weights, gate_up_act_scale, down_act_scale) -> dict:
-    """The call's routing tensors and act scales as the kernels read them (dense)."""
+    """The call's routing tensors and act scales as the kernels read them (dense; one
+    tensor given as both act scales is two sources: a plan records one object once)."""
+    gate_up_act_scale, down_act_scale = _flat(gate_up_act_scale), _flat(down_act_scale)
+    if down_act_scale is not None and down_act_scale is gate_up_act_scale:
+        down_act_scale = down_act_scale.view(down_act_scale.shape)
     return dict(hidden=hidden, top_k_index=top_k_index.contiguous(), top_k_weights=top_k_weights.contiguous(),
-                gate_up_act_scale=_flat(gate_up_act_scale), down_act_scale=_flat(down_act_scale))
+                gate_up_act_scale=gate_up_act_scale, down_act_scale=down_act_scale)
 
 
 def _sort_quant_call(ids, perm, offsets, counters, E: int, x, q, q_scale, bk: int, static: bool) -> KernelCall:
