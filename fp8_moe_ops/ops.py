@@ -258,7 +258,7 @@ def _refused_gradients(op: str, grad: torch.Tensor, metas: Sequence, needs_grad:
 
 
 _LIB = torch.library.Library("fp8_moe", "FRAGMENT")  # the ops but _refused_gradient (it owns their registrations)
-_KERNELS: dict[str, dict] = {}  # op name -> {device type: its kernel}, for call_experts
+_KERNELS: dict[str, dict] = {}  # op name -> {device type: its kernel}, for call_experts and call_linear
 _UNSEEN = object()
 
 
@@ -476,7 +476,7 @@ def call_experts(name: str, args: Sequence) -> torch.Tensor:
     plug-in call it, as nn.MultiheadAttention's fast path skips its general code; a
     ``torch.ops.fp8_moe`` call always dispatches."""
     h, i, w, gu, gus, d, ds, _, _, ga, da, _ = args
-    if not torch.compiler.is_compiling() and _nothing_to_dispatch(h, i, w, gu, gus, d, ds, ga, da):
+    if _nothing_to_dispatch(h, i, w, gu, gus, d, ds, ga, da):
         kernel = _KERNELS[name].get(h.device.type)
         if kernel is not None:
             return kernel(*args)
@@ -487,7 +487,7 @@ def call_linear(x, w, w_scale_inv, block_size, act_scale=None) -> torch.Tensor:
     """``torch.ops.fp8_moe.linear(x, w, w_scale_inv, block_size, act_scale)``, straight to
     the op's kernel for x's device in a plain eager call, as :func:`call_experts` for the
     experts ops (``FP8Linear`` calls it)."""
-    if not torch.compiler.is_compiling() and _nothing_to_dispatch(x, w, w_scale_inv, act_scale):
+    if _nothing_to_dispatch(x, w, w_scale_inv, act_scale):
         kernel = _KERNELS["linear"].get(x.device.type)
         if kernel is not None:
             return kernel(x, w, w_scale_inv, block_size, act_scale)
@@ -497,7 +497,8 @@ def call_linear(x, w, w_scale_inv, block_size, act_scale=None) -> torch.Tensor:
 def _nothing_to_dispatch(*tensors) -> bool:
     """Whether nothing between a caller and an op's kernel would act on a call with these
     tensors (None: an optional one not given)."""
-    if _dispatch_modes() or _function_modes() or _transforms() or _profiling() or _tracing():
+    if torch.compiler.is_compiling() or _dispatch_modes() or _function_modes() or _transforms() or _profiling() \
+            or _tracing():
         return False
     for t in tensors:  # a loop: any() over a generator costs more
         if type(t) not in _PLAIN:
