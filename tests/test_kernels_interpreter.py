@@ -1201,8 +1201,9 @@ def test_gemm_op_plans_reject_bad_input_after_good_calls(name, change, exc, matc
     from test_bad_input import _grouped_args, _linear_args
 
     args_of = _linear_args if name == "linear" else _grouped_args
-    names = gemms.ARG_NAMES[name]
     plans = kernels.GemmPlans(name, getattr(ops, f"check_{name}"))
+    names = plans.ARG_NAMES
+    assert names[:3] == ("x", "w", "w_scale_inv") and names[-3:] == ("block_size", "act_scale", "out_dtype")
     for _ in range(3):
         plans(tuple(args_of().get(n) for n in names))
     assert len(plans.states) == 1

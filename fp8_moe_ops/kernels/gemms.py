@@ -30,13 +30,6 @@ from .sort import MAX_SLOTS, _sort_kernel, sort_launch_shape
 
 __all__ = ["linear", "grouped_mm", "batched_mm", "GemmPlans"]
 
-ARG_NAMES = {
-    "linear": ("x", "w", "w_scale_inv", "block_size", "act_scale", "out_dtype"),
-    "grouped_mm": ("x", "w", "w_scale_inv", "offsets", "block_size", "act_scale", "out_dtype"),
-    "batched_mm": ("x", "w", "w_scale_inv", "expert_ids", "block_size", "act_scale", "out_dtype"),
-}
-
-
 def _sources(name: str, args: tuple) -> dict:
     """The tensors the kernels read, named as the op's arguments: ``linear``'s matrix
     and scale grid as one expert's (views), a UE8M0 grid as its bytes, the act scale and
@@ -163,13 +156,14 @@ def batched_mm(x, w, w_scale_inv, expert_ids, block_size, act_scale=None, out_dt
 class GemmPlans(Plans):
     """The CUDA calls of GEMM op ``name`` through its launch plans (:class:`Plans`; the
     op's arguments in schema order, all of them: the dispatcher may leave trailing
-    defaults out, the op fills them in).  The cheap key: x's shape, the block size,
-    whether ``act_scale`` is given, ``out_dtype``, the setting."""
+    defaults out, the op fills them in; their names are the op's schema's).  The cheap
+    key: x's shape, the block size, whether ``act_scale`` is given, ``out_dtype``, the
+    setting."""
 
     def __init__(self, name: str, check):
         super().__init__(check)
         self.name = name
-        self.ARG_NAMES = ARG_NAMES[name]
+        self.ARG_NAMES = tuple(a.name for a in getattr(torch.ops.fp8_moe, name).default._schema.arguments)
 
     def cheap_key(self, args: tuple, gluon) -> tuple:
         return (args[0].shape, *args[-3], args[-2] is None, args[-1], gluon)
