@@ -100,6 +100,22 @@ def poison_free_memory() -> None:
     del keep
 
 
+# Tests holding a model's full-size weights on the GPU (deepseek_v3's take 11 GiB): under
+# pytest-xdist with ``--dist loadgroup`` they all run in one worker, so that several
+# workers never hold such weights at once (eight workers on an 80 GB card ran out).
+LARGE_WEIGHTS = pytest.mark.xdist_group("large_weights")
+
+
+def random_fp8_weights(E: int, N: int, K: int, gen: torch.Generator, std: float) -> torch.Tensor:
+    """(E, N, K) e4m3 on the GPU, N(0, std) before the cast, made one expert at a time:
+    the bf16 draft of a whole deepseek_v3 weight (15 GiB, twice over for the scaling)
+    never exists at once."""
+    w = torch.empty(E, N, K, device="cuda", dtype=torch.float8_e4m3fn)
+    for e in range(E):
+        w[e] = torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=gen).mul_(std)
+    return w
+
+
 # The dispatches (eager loop, grouped, batched) agree to float32 rounding, not always
 # bitwise: on CPU, vectorised erf/exp make the last bit of an element depend on its
 # position in the tensor (SIMD body vs scalar tail), and the loop's per-expert tensors

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 import fp8_moe_ops
 from fp8_moe_ops.demo import plain_package_crashes
 
-from helpers import make_experts_inputs, rel_err
+from helpers import LARGE_WEIGHTS, make_experts_inputs, random_fp8_weights, rel_err
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 OPS = torch.ops.fp8_moe
@@ -107,11 +107,13 @@ def test_index_arithmetic_is_64_bit():
         assert rel_err(out[rows].cpu(), ref) < GPU_REL_BOUND
 
 
+@LARGE_WEIGHTS
 def test_peak_memory_is_output_plus_bounded_workspace():
     # deepseek_v3-sized layer: the weights (11 GB) must never be copied or expanded.
     T, E, H, I, k = 512, 256, 7168, 2048, 8
-    gu = torch.randn(E, 2 * I, H, device="cuda", dtype=torch.bfloat16).mul_(0.02).to(torch.float8_e4m3fn)
-    dp = torch.randn(E, H, I, device="cuda", dtype=torch.bfloat16).mul_(0.02).to(torch.float8_e4m3fn)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    gu = random_fp8_weights(E, 2 * I, H, gen, std=0.02)
+    dp = random_fp8_weights(E, H, I, gen, std=0.02)
     gus = torch.ones(E, 2 * I // 128, H // 128, device="cuda")
     dps = torch.ones(E, H // 128, I // 128, device="cuda")
     hidden = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)

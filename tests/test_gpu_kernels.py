@@ -39,9 +39,10 @@ from fp8_moe_ops import kernels
 from fp8_moe_ops.kernels import experts, gemms, moe
 from fp8_moe_ops.kernels.experts import ARG_NAMES, ExpertsPlan
 
-from helpers import (EXPERTS_BOUND, GEMM_BOUND, MODELS, division_cases, division_matches, fma_cases,
-                     make_expert_weights, make_experts_inputs, make_routing, poison_free_memory, rel_err,
-                     row_experts, run_elementwise, static_scale_cases, static_slot_ids, uneven_offsets, with_split_k)
+from helpers import (EXPERTS_BOUND, GEMM_BOUND, LARGE_WEIGHTS, MODELS, division_cases, division_matches,
+                     fma_cases, make_expert_weights, make_experts_inputs, make_routing, poison_free_memory,
+                     random_fp8_weights, rel_err, row_experts, run_elementwise, static_scale_cases, static_slot_ids,
+                     uneven_offsets, with_split_k)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -416,8 +417,8 @@ def layer_weights(request):
     """One model's random fp8 weights on the GPU (too large for the CPU reference)."""
     E, H, I, k = MODELS[request.param]
     gen = torch.Generator(device="cuda").manual_seed(11)
-    gu = (torch.randn(E, 2 * I, H, device="cuda", dtype=torch.bfloat16, generator=gen) * 32).to(FP8)
-    dp = (torch.randn(E, H, I, device="cuda", dtype=torch.bfloat16, generator=gen) * 32).to(FP8)
+    gu = random_fp8_weights(E, 2 * I, H, gen, std=32)
+    dp = random_fp8_weights(E, H, I, gen, std=32)
     gus = torch.rand(E, 2 * I // 128, H // 128, device="cuda", generator=gen) * 2e-4 + 1e-4
     dps = torch.rand(E, H // 128, I // 128, device="cuda", generator=gen) * 2e-4 + 1e-4
     yield request.param, (gu, gus, dp, dps)
@@ -425,6 +426,7 @@ def layer_weights(request):
     torch.cuda.empty_cache()
 
 
+@LARGE_WEIGHTS
 @pytest.mark.parametrize("T", [1, 64, 512, 4096, 16384])
 def test_shipped_configs_agree_with_the_checked_small_config(layer_weights, T, monkeypatch):
     # Same K steps, so every config must agree with BM = 16 to rounding.
