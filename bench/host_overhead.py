@@ -8,7 +8,7 @@ entry point:
 * ``op grouped_experts`` / ``op batched_experts``: ``torch.ops.fp8_moe.*`` (the custom
   op: dispatcher, argument checks, then the Triton entry point);
 * ``launch plan``: the plan the op replays from the third call of a signature
-  (``fp8_moe_ops.kernels.experts.ExpertsPlan``), called directly: the difference to
+  (``fp8_moe_ops.kernels.plans.LaunchPlan``), called directly: the difference to
   the op is the op's wrapper (dispatcher, autograd kernel, signature key);
 * ``kernels.grouped_experts``: the Triton forward without a plan (every launch's
   config, grid, views and cache key built on each call), no op wrapper, no checks;

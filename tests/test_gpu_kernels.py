@@ -37,7 +37,8 @@ import torch
 from fp8_moe_ops import reference, routing
 from fp8_moe_ops import kernels
 from fp8_moe_ops.kernels import experts, gemms, moe
-from fp8_moe_ops.kernels.experts import ARG_NAMES, ExpertsPlan
+from fp8_moe_ops.kernels.experts import ARG_NAMES
+from fp8_moe_ops.kernels.plans import LaunchPlan
 
 from helpers import (EXPERTS_BOUND, GEMM_BOUND, LARGE_WEIGHTS, MODELS, division_cases, division_matches,
                      fma_cases, make_expert_weights, make_experts_inputs, make_routing, poison_free_memory,
@@ -292,7 +293,7 @@ def test_gemm_op_plans_replay_new_inputs_bitwise(name, static, case):
     for _ in range(3):
         out = op(*first_gpu)
     poison_free_memory()
-    with mock.patch.object(ExpertsPlan, "run", autospec=True, side_effect=ExpertsPlan.run) as run:
+    with mock.patch.object(LaunchPlan, "run", autospec=True, side_effect=LaunchPlan.run) as run:
         got = op(*second_gpu)
     assert run.call_count == 1  # replayed
     want = getattr(kernels, name)(*second_gpu)
@@ -484,7 +485,7 @@ def test_launch_plan_replays_new_inputs_bitwise(case, combo):
     states = {}
     for _ in range(2):  # the second call records
         out = kernels.planned_experts(states, "sig", tuple(first.get(name) for name in ARG_NAMES))
-    assert isinstance(states["sig"], ExpertsPlan) and states["sig"].device is not None  # launchers called directly
+    assert isinstance(states["sig"], LaunchPlan) and states["sig"].device is not None  # launchers called directly
     assert torch.equal(out, kernels.grouped_experts(**first))
     OPS.grouped_experts(**first)  # checks the signature
     OPS.grouped_experts(**first)  # records the op's plan for it
@@ -513,7 +514,7 @@ def test_launch_plan_past_the_one_launch_sort_replays_bitwise(static, monkeypatc
     states = {}
     for _ in range(2):  # the second call records
         kernels.planned_experts(states, "sig", first)
-    assert isinstance(states["sig"], ExpertsPlan) and states["sig"].device is not None
+    assert isinstance(states["sig"], LaunchPlan) and states["sig"].device is not None
     poison_free_memory()
     got = kernels.planned_experts(states, "sig", second)
     assert torch.equal(got, kernels.grouped_experts(*second))

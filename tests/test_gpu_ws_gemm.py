@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from fp8_moe_ops import reference
-from fp8_moe_ops.kernels import experts, ws_gemm
+from fp8_moe_ops.kernels import experts, plans, ws_gemm
 
 from helpers import (EXPERTS_BOUND, GEMM_BOUND, make_expert_weights, make_experts_inputs, poison_free_memory, rel_err,
                      uneven_offsets)
@@ -225,7 +225,7 @@ def test_launch_plan_replays_gluon_launches_on_new_inputs_bitwise(case, static, 
     states = {}
     for _ in range(2):
         experts.planned_experts(states, "sig", positional(first))
-    assert isinstance(states["sig"], experts.ExpertsPlan) and states["sig"].device is not None
+    assert isinstance(states["sig"], plans.LaunchPlan) and states["sig"].device is not None
     built = len(ws_launches)
     poison_free_memory()
     got = experts.planned_experts(states, "sig", positional(second))

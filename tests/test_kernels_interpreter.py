@@ -571,12 +571,12 @@ def _positional(args, kw):
 def _recorded(first):
     """(a table of plans holding the plan of ``first``'s signature under the key "sig",
     the output of the call that recorded it: the signature's second)."""
-    from fp8_moe_ops.kernels.experts import ExpertsPlan
+    from fp8_moe_ops.kernels.plans import LaunchPlan
 
     states = {}
     kernels.planned_experts(states, "sig", first)
     out = kernels.planned_experts(states, "sig", first)
-    assert isinstance(states["sig"], ExpertsPlan)
+    assert isinstance(states["sig"], LaunchPlan)
     return states, out
 
 
@@ -622,7 +622,7 @@ def test_op_records_a_plan_on_a_signatures_second_call():
     # the CUDA kernel of the stacked ops (kernels.StackedPlans), driven here with CPU
     # tensors and the interpreted kernels: check + forward, then record, then replay
     from fp8_moe_ops import ops
-    from fp8_moe_ops.kernels.experts import ExpertsPlan
+    from fp8_moe_ops.kernels.plans import LaunchPlan
 
     checked = []
 
@@ -636,7 +636,7 @@ def test_op_records_a_plan_on_a_signatures_second_call():
     for args in calls:
         assert torch.equal(plans(args), kernels.grouped_experts(*args))
         states.append(type(next(iter(plans.states.values()))))
-    assert states == [type(None), ExpertsPlan, ExpertsPlan]
+    assert states == [type(None), LaunchPlan, LaunchPlan]
     assert len(plans.states) == 1 and len(checked) == 1
     bad = list(calls[0])
     bad[2] = bad[2][:, :1]  # top_k_weights of another shape: a new key, checked, rejected
@@ -649,16 +649,16 @@ def test_plans_are_kept_per_gluon_setting(monkeypatch):
     # FP8_MOE_GLUON decides which kernel runs a prefill GEMM, so a plan recorded under one
     # setting is never replayed under another, on the guarded path or the keyed one
     from fp8_moe_ops import ops
-    from fp8_moe_ops.kernels.experts import ExpertsPlan
+    from fp8_moe_ops.kernels.plans import LaunchPlan
 
     plans = kernels.StackedPlans(ops.check_experts)
     args = _positional(*_experts_args("sentinels", torch.bfloat16, torch.float32, False, seed=61))
     monkeypatch.setenv("FP8_MOE_GLUON", "0")
     for _ in range(3):
         plans(args)
-    assert [(key[1], type(state)) for key, state in plans.states.items()] == [("0", ExpertsPlan)]
+    assert [(key[1], type(state)) for key, state in plans.states.items()] == [("0", LaunchPlan)]
     monkeypatch.setenv("FP8_MOE_GLUON", "1")
-    with mock.patch.object(ExpertsPlan, "run", side_effect=AssertionError("a plan of another setting replayed")):
+    with mock.patch.object(LaunchPlan, "run", side_effect=AssertionError("a plan of another setting replayed")):
         assert torch.equal(plans(args), kernels.grouped_experts(*args))
     assert sorted(key[1] for key in plans.states) == ["0", "1"]
 
@@ -669,7 +669,6 @@ def test_op_replays_a_plan_behind_its_metadata_guard():
     # anything the key holds still takes the keyed path: checked, or its own key
     from fp8_moe_ops import ops
     from fp8_moe_ops._checks import meta_key
-    from fp8_moe_ops.kernels import experts
 
     if ops.metadata_guard([torch.zeros(1)]) is None:
         pytest.skip("this torch has no C++ tensor-metadata guard")
@@ -677,7 +676,7 @@ def test_op_replays_a_plan_behind_its_metadata_guard():
     calls = [_positional(*_experts_args("sentinels", torch.bfloat16, torch.float32, False, seed=s)) for s in (51, 52, 53)]
     for args in calls[:2]:
         plans(args)
-    with mock.patch.object(experts, "meta_key", wraps=meta_key) as keyed:
+    with mock.patch("fp8_moe_ops.kernels.plans.meta_key", wraps=meta_key) as keyed:
         assert torch.equal(plans(calls[2]), kernels.grouped_experts(*calls[2]))
         assert keyed.call_count == 0
         bad = list(calls[2])
@@ -892,7 +891,7 @@ def test_experts_list_plan_replays_new_inputs_and_new_weights(separate, static):
     assert torch.equal(kernels.grouped_experts_list(**lists, **kw), want)
     assert list(moe_list._PLANS.values()) == [None]  # seen once
     assert torch.equal(kernels.grouped_experts_list(**lists, **kw), want)
-    assert [type(p).__name__ for p in moe_list._PLANS.values()] == ["ExpertsPlan"]  # recorded
+    assert [type(p).__name__ for p in moe_list._PLANS.values()] == ["LaunchPlan"]  # recorded
     args2, kw2, _ = call(32)  # other routing and activations, the same weights
     lists.update(hidden=args2[0], top_k_index=args2[1], top_k_weights=args2[2])
     args[:3] = args2[:3]
@@ -917,7 +916,7 @@ def test_experts_list_plan_of_one_act_scale_tensor_for_both_projections():
         kw["down_act_scale"] = kw["gate_up_act_scale"]
         lists = as_expert_lists(dict(zip(_NAMES, args)), False)
         outs.append((kernels.grouped_experts_list(**lists, **kw), kernels.grouped_experts(*args, **kw)))
-    assert [type(p).__name__ for p in moe_list._PLANS.values()] == ["ExpertsPlan"]
+    assert [type(p).__name__ for p in moe_list._PLANS.values()] == ["LaunchPlan"]
     assert all(torch.equal(got, want) for got, want in outs)
 
 
@@ -1055,7 +1054,7 @@ def test_a_cached_launch_calls_its_compiled_launcher_with_grid_stream_head_and_a
 
 @pytest.mark.parametrize("packed", [False, True])
 def test_a_compiled_plan_hands_each_launcher_the_new_calls_addresses(monkeypatch, packed):
-    # ExpertsPlan's GPU path with fake launchers: each recorded launch gets its grid, the
+    # LaunchPlan's GPU path with fake launchers: each recorded launch gets its grid, the
     # current stream and its argument list (one by one, or as one sequence where the
     # launcher takes them so: Triton 3.7), every tensor replaced by the address of the
     # new call's tensor of the same name (the output and the workspace's buffers: this
@@ -1120,20 +1119,20 @@ def test_gemm_op_records_a_plan_on_its_second_call_and_replays_it_bitwise(name, 
     # the GEMM ops' CUDA kernel (kernels.GemmPlans), driven with CPU tensors and the
     # interpreted kernels: checks + forward, then record, then replays of other values
     from fp8_moe_ops import ops
-    from fp8_moe_ops.kernels.experts import ExpertsPlan
+    from fp8_moe_ops.kernels.plans import LaunchPlan
 
     checked = []
     check = getattr(ops, f"check_{name}")
     plans = kernels.GemmPlans(name, lambda *args: checked.append(True) or check(*args))
     calls = [_gemm_args(name, static, seed, scale_dtype) for seed in (1, 2, 3, 4)]
     states = []
-    with mock.patch.object(ExpertsPlan, "run", autospec=True, side_effect=ExpertsPlan.run) as run:
+    with mock.patch.object(LaunchPlan, "run", autospec=True, side_effect=LaunchPlan.run) as run:
         for args in calls:
             want = getattr(kernels, name)(*args)
             got = plans(args)
             assert got.shape == (13, 24) and got.dtype == torch.float32 and torch.equal(got, want)
             states.append(type(next(iter(plans.states.values()))))
-    assert states == [type(None), ExpertsPlan, ExpertsPlan, ExpertsPlan]
+    assert states == [type(None), LaunchPlan, LaunchPlan, LaunchPlan]
     assert run.call_count == 2  # the third and fourth calls replayed
     assert len(plans.states) == 1 and len(checked) == 1
     assert not torch.equal(plans(calls[3]), plans(calls[2]))
@@ -1158,7 +1157,7 @@ def test_gemm_op_replays_behind_its_metadata_guard(name):
     calls = [_gemm_args(name, True, seed) for seed in (5, 6, 7)]
     for args in calls[:2]:
         plans(args)
-    with mock.patch.object(experts, "meta_key", wraps=meta_key) as keyed:
+    with mock.patch("fp8_moe_ops.kernels.plans.meta_key", wraps=meta_key) as keyed:
         assert torch.equal(plans(calls[2]), getattr(kernels, name)(*calls[2]))
         assert keyed.call_count == 0
         bad = list(calls[2])

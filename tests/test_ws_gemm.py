@@ -100,13 +100,13 @@ def test_a_replayed_descriptor_has_every_field_tritons_launcher_reads():
     # round_f32_to_tf32: without it every replay raised AttributeError on the GPU)
     import dataclasses
 
-    from fp8_moe_ops.kernels import experts
+    from fp8_moe_ops.kernels import plans
 
     read = {f.name for f in dataclasses.fields(ws_gemm.TensorDescriptor)} - {"block_shape", "layout"}
-    assert read <= set(experts._Descriptor._fields)
+    assert read <= set(plans._Descriptor._fields)
     x = torch.zeros(256, 128, dtype=FP8)
     desc = ws_gemm.TensorDescriptor.from_tensor(x, [128, 128], ws_gemm.shared_layout([128, 128]))
-    replay = experts._Described(0, tuple(desc.shape), tuple(desc.strides), desc.padding).at(x.data_ptr())
+    replay = plans._Described(0, tuple(desc.shape), tuple(desc.strides), desc.padding).at(x.data_ptr())
     assert all(getattr(replay, name) == getattr(desc, name) for name in read - {"base"})
 
 

@@ -8,7 +8,8 @@ source :mod:`.gluon_gemm`),
 :mod:`.config` (checked-in launch configs), :mod:`.launch` (cached launches), :mod:`.moe`
 (the launches the GEMM ops and the experts forward share), :mod:`.gemms` (the GEMM ops and
 their launch plans), :mod:`.experts` (the whole-experts forward and its launch
-plans), :mod:`.moe_list` (the entry point on per-expert weight lists).
+plans), :mod:`.moe_list` (the entry point on per-expert weight lists), :mod:`.plans` (the
+launch plans those three record and replay).
 """
 
 from .experts import StackedPlans, batched_experts, grouped_experts, planned_experts

@@ -12,7 +12,7 @@ order with their expert's scale) and scatters its output rows through ``perm``.
 K-group major, as the Hopper GEMM reads them fastest (the experts forward's rule).
 
 The intermediate buffers are views of one workspace allocation, so a call's launches
-are recorded and replayed as the experts ops' are (:class:`~.experts.ExpertsPlan`):
+are recorded and replayed as the experts ops' are (:mod:`.plans`):
 :class:`GemmPlans` is the ops' CUDA kernel.  An eager decode-sized ``FP8Linear`` call
 otherwise spends tens of microseconds of CPU building its two launches (the configs,
 the grids, the launch cache's keys; 46 µs on the CPU machine).
@@ -23,9 +23,10 @@ from __future__ import annotations
 import torch
 
 from ..functional import cdiv
-from .experts import Layout, Plans, _scale_bytes
+from .experts import _scale_bytes
 from .launch import KernelCall, launch
 from .moe import _block, _flat, _gemm_call, _large_sort_calls, _quant_call, large_sort_hist_shape
+from .plans import Layout, Plans
 from .sort import MAX_SLOTS, _sort_kernel, sort_launch_shape
 
 __all__ = ["linear", "grouped_mm", "batched_mm", "GemmPlans"]

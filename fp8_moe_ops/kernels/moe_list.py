@@ -42,8 +42,9 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from .grouped_gemm import WeightTable
 from .._checks import meta_key
-from .experts import experts_forward, planned, routing_sources
+from .experts import experts_forward, routing_sources
 from .moe import _block
+from .plans import planned
 
 __all__ = ["grouped_experts_list"]
 
@@ -136,7 +137,7 @@ def _weights(w: torch.Tensor, s: torch.Tensor, E: int, w0: torch.Tensor, s0: tor
                        s0.dtype == torch.float8_e8m0fnu, 16 if aligned else 1, split)
 
 
-_PLANS: dict = {}  # signature -> plan state (experts.planned)
+_PLANS: dict = {}  # signature -> plan state (plans.planned)
 
 
 def grouped_experts_list(hidden, top_k_index, top_k_weights, gate_up_proj, gate_up_scale_inv, down_proj,
@@ -148,7 +149,7 @@ def grouped_experts_list(hidden, top_k_index, top_k_weights, gate_up_proj, gate_
     each with its scale grid in the matching ``*_scale_inv`` list.
 
     The launches are recorded as a plan (:mod:`.experts`) on the second call of a
-    signature (:func:`.experts.planned`, as for the stacked ops): the metadata of
+    signature (:func:`.plans.planned`, as for the stacked ops): the metadata of
     the routing tensors and act scales, the other arguments' values, the list lengths,
     the first weight and scale grid of each list (the op's checks hold every expert to
     them) and whether the weights are 16-byte aligned; the address table is an input of

@@ -1,0 +1,355 @@
+"""Launch plans: a forward's launches recorded once and replayed on later calls.
+
+At decode the three or four kernels of an experts forward (one or two of a GEMM op's)
+take microseconds each on the GPU, so the CPU's work per call decides a step's time.
+A forward builds its launches over its *sources* (the call's tensors as the kernels
+read them), its output and the buffers of one workspace allocation (:class:`Layout`).
+A call of an argument signature (the second: :func:`planned`) runs the forward and
+records it as a :class:`LaunchPlan`: per kernel, the compiled binary's launcher and its
+full argument list, each tensor argument replaced by its source (:class:`_Source`).  A
+later call with the same signature (the caller keys its plans on every tensor's dtype,
+shape, strides, device and 16-byte alignment and every other argument's value: the ops'
+tables are :class:`Plans`, which find a plan through a C++ guard of the tensors'
+metadata once one exists; :mod:`.moe_list` keys its own) makes its sources with the
+same function, allocates the output and one workspace and hands each launcher its list
+with the sources' addresses filled in: no launch config, grid, view or cache key is
+computed again.  A Gluon GEMM's TMA descriptors (:mod:`.ws_gemm`) are recorded as their
+base's source with their shape and strides; a replay hands the launcher a descriptor on
+the new base address, from which Triton's launcher builds the ``CUtensorMap`` as on any
+launch.  A forward of no launches (no rows) gets no plan.
+
+Users: :mod:`.experts` (the experts ops, :class:`~.experts.StackedPlans`), :mod:`.gemms`
+(the GEMM ops, :class:`~.gemms.GemmPlans`), :mod:`.moe_list` (the list op).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import operator
+from typing import NamedTuple
+
+import torch
+from triton.runtime import driver
+
+from .._checks import keep_newest, meta_key, metadata_guard
+from ..functional import cdiv
+from . import ws_gemm
+from .launch import KernelCall, TensorDescriptor, cached
+
+__all__ = ["Layout", "LaunchPlan", "planned", "Plans"]
+
+_ALIGN = 256  # bytes from one workspace buffer to the next (the kernels need 16)
+
+class Layout(NamedTuple):
+    """The workspace: its buffers as (name, dtype, shape, strides, byte offset), and its
+    size in bytes."""
+
+    buffers: list
+    nbytes: int
+
+    @classmethod
+    def of(cls, bufs: list) -> Layout:
+        """The layout of ``bufs`` ((name, dtype, shape) contiguous, or (name, dtype,
+        shape, strides)), in order, each at a multiple of 256 bytes."""
+        buffers, offset = [], 0
+        for name, dt, shape, *strides in bufs:
+            strides = strides[0] if strides else tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+            buffers.append((name, dt, shape, strides, offset))
+            extent = 1 + sum((n - 1) * st for n, st in zip(shape, strides))  # elements from the first to the last
+            offset += cdiv(extent * dt.itemsize, _ALIGN) * _ALIGN
+        return cls(buffers, offset)
+
+    def views(self, ws: torch.Tensor) -> list[torch.Tensor]:
+        """The buffers as typed views of ``ws`` (``nbytes`` uint8), in order."""
+        return [ws.view(dt).as_strided(shape, strides, off // dt.itemsize) for _, dt, shape, strides, off in self.buffers]
+
+
+class _Source(int):
+    """A tensor argument's place in a recorded call: an index into the sources of a
+    replay (the call's own tensors in the recorded order, the output, the workspace's
+    buffers)."""
+
+
+class _Address(int):
+    """A replay's address where Triton's launcher asks a descriptor's base for it."""
+
+    def data_ptr(self) -> int:
+        return int(self)
+
+
+class _Descriptor(NamedTuple):
+    """What Triton's CUDA launcher reads of a TMA descriptor argument (its base's
+    ``data_ptr()``, shape, strides, padding; from Triton 3.7 also whether float32 is
+    rounded to tf32, which the package's e4m3 and bf16 descriptors never ask): a
+    replay's descriptor on a new address."""
+
+    base: _Address
+    shape: tuple
+    strides: tuple
+    padding: str
+    round_f32_to_tf32: bool = False
+
+
+class _Described(NamedTuple):
+    """A TMA descriptor argument's place in a recorded call: the :class:`_Source` of its
+    base, and its shape, strides and padding (which the plan's key fixes)."""
+
+    source: int
+    shape: tuple
+    strides: tuple
+    padding: str
+
+    def at(self, address: int) -> _Descriptor:
+        return _Descriptor(_Address(address), self.shape, self.strides, self.padding)
+
+
+def _template(call: KernelCall, sources: dict) -> tuple | None:
+    """``call.args`` with each tensor replaced by its :class:`_Source` and each descriptor
+    by its :class:`_Described`; None where one is none of the sources'."""
+    template = []
+    for a in call.args:
+        if isinstance(a, (torch.Tensor, TensorDescriptor)):
+            source = sources.get(id(a if isinstance(a, torch.Tensor) else a.base))
+            if source is None:
+                return None
+            if isinstance(a, TensorDescriptor):
+                source = _Described(source, tuple(a.shape), tuple(a.strides), a.padding)
+            a = source
+        template.append(a)
+    return tuple(template)
+
+
+class LaunchPlan:
+    """The recorded launches of one forward, replayable on any call whose sources have
+    the same names, dtypes, shapes, strides, 16-byte alignment and scalar arguments
+    (the caller keys plans on what decides those).  The output is allocated as the
+    recorded one: like the first source (``hidden``), or of its recorded shape and dtype
+    where it differs (a GEMM op's).
+
+    On a GPU each launcher is called directly with the sources' addresses; under the
+    Triton interpreter the recorded calls are replayed through the JIT (the tests)."""
+
+    __slots__ = ("_steps", "_layout", "device", "_offsets", "_constants", "_described", "_out")
+
+    def __init__(self, steps: list, layout: Layout, device: int | None, constants: list | None = None,
+                 described: list | None = None, out: tuple | None = None):
+        # device: the GPU the launchers were compiled for; None: replays through the JIT;
+        # out: None (the output is like the first source), or its (shape, dtype)
+        self._steps, self._layout, self.device, self._constants = steps, layout, device, constants
+        self._described, self._out = described, out
+        self._offsets = [off for *_, off in layout.buffers]
+
+    @classmethod
+    def record(cls, names: list, env: dict, layout: Layout, calls: list[KernelCall]) -> LaunchPlan | None:
+        """The plan of a forward just run (:func:`.experts.experts_forward`'s results; ``names``:
+        the keys of its ``sources``, in the order a replay passes them), or None where
+        it cannot have one (see the module's docstring)."""
+        buffers = [name for name, *_ in layout.buffers]
+        if not calls:
+            return None
+        sources = {}
+        for i, name in enumerate([*names, "out", *buffers]):
+            t = env.get(name)
+            if t is None:
+                continue
+            if id(t) in sources:
+                return None  # one object as two sources: which one a kernel reads is ambiguous (_distinct)
+            sources[id(t)] = _Source(i)
+        templates = [_template(call, sources) for call in calls]
+        if None in templates:
+            return None
+        out, first = env["out"], env[names[0]]
+        out = None if (out.shape, out.dtype) == (first.shape, first.dtype) else (tuple(out.shape), out.dtype)
+        entries = [cached(call) for call in calls]
+        compiled = [entry.compiled() for entry in entries]
+        if all(c is None for c in compiled):  # the interpreter (which runs no Gluon kernel: no descriptors)
+            return cls(list(zip(entries, templates)), layout, None, out=out)
+        device = driver.active.get_current_device()
+        if any(c is None or c[1] != device for c in compiled):
+            return None  # a launcher compiled for another device (the launch cache keys on the tensors' device)
+        # a replay's values: the sources' addresses (in _Source order), every launch's
+        # other arguments, then the descriptors on those addresses; each launch picks its
+        # argument list from them
+        full = [entry.full_args(template) for entry, template in zip(entries, templates)]
+        constants = [a for args in full for a in args if type(a) not in (_Source, _Described)]
+        described = [a for args in full for a in args if type(a) is _Described]
+        n_sources = len(names) + 1 + len(buffers)
+        n_constants = n_descriptors = 0
+        steps = []
+        for args, entry, (how, _) in zip(full, entries, compiled):
+            picks = []
+            for a in args:
+                if type(a) is _Source:
+                    picks.append(int(a))
+                elif type(a) is _Described:
+                    picks.append(n_sources + len(constants) + n_descriptors)
+                    n_descriptors += 1
+                else:
+                    picks.append(n_sources + n_constants)
+                    n_constants += 1
+            steps.append((*how, entry.grid, _picker(picks)))  # launcher, head, packed (launch.Direct), ...
+        return cls(steps, layout, device, constants, described, out)
+
+    def run(self, inputs: list, hidden: torch.Tensor, aligned: bool = False) -> torch.Tensor | None:
+        """The forward on ``inputs`` (the sources' values, in the recorded order);
+        None when the current CUDA device is not the plan's, or, given ``aligned``, when
+        an input's address is not a multiple of 16 bytes (a caller that keyed the plan
+        on everything but the addresses, knowing the recorded inputs were aligned)."""
+        device = self.device
+        if device is not None and driver.active.get_current_device() != device:
+            return None
+        values = [None if t is None else t.data_ptr() for t in inputs]
+        if aligned and functools.reduce(operator.or_, filter(None, values), 0) & 15:
+            return None
+        if self._out is None:
+            out = torch.empty_like(hidden, memory_format=torch.contiguous_format)
+        else:
+            out = torch.empty(self._out[0], dtype=self._out[1], device=hidden.device)
+        ws = torch.empty(self._layout.nbytes, dtype=torch.uint8, device=hidden.device)
+        if device is None:
+            tensors = [*inputs, out, *self._layout.views(ws)]
+            for entry, template in self._steps:
+                entry(*(tensors[a] if type(a) is _Source else a for a in template))
+            return out
+        base = ws.data_ptr()
+        values.append(out.data_ptr())
+        values += [base + off for off in self._offsets]
+        values += self._constants
+        values += [d.at(values[d.source]) for d in self._described]
+        stream = driver.active.get_current_stream(device)
+        for launcher, head, packed, grid, pick in self._steps:
+            if packed:
+                launcher(grid[0], grid[1], grid[2], stream, *head, pick(values))
+            else:
+                launcher(grid[0], grid[1], grid[2], stream, *head, *pick(values))
+        return out
+
+
+def _picker(positions: list):
+    """``values -> tuple(values[i] for i in positions)``, in C (``operator.itemgetter``
+    returns a bare item for one position)."""
+    if len(positions) > 1:
+        return operator.itemgetter(*positions)
+    return lambda values: tuple(values[i] for i in positions)
+
+
+_MAX_PLANS = 4096  # signatures per table; cleared when full (a model has a handful)
+_UNSEEN = object()
+
+
+def planned(states: dict, key, sources: dict, hidden: torch.Tensor, forward) -> torch.Tensor:
+    """One call through a table of plans (``states``: signature key -> None once seen, then
+    its :class:`LaunchPlan`, or False where it cannot have one).  A signature's first
+    call runs ``forward()`` (as :func:`.experts.experts_forward` returns them, on ``sources``), its second
+    also records the launches, later calls replay them.  Recording on the second call
+    keeps a signature seen once (a token count that never comes back) from paying for a
+    plan it never replays."""
+    state = states.get(key, _UNSEEN)
+    if isinstance(state, LaunchPlan):
+        out = state.run(list(sources.values()), hidden)
+        if out is not None:
+            return out
+    out, env, layout, calls = forward()
+    if state is _UNSEEN:
+        if len(states) >= _MAX_PLANS:
+            states.clear()
+        states[key] = None
+    elif state is None:
+        states[key] = LaunchPlan.record(list(sources), env, layout, calls) or False
+    return out
+
+
+class Plans:
+    """The CUDA calls of one op through its launch plans: ``plans(args)`` (the op's
+    arguments in schema order, the first its input rows) runs ``check`` on the first call
+    of each :func:`~fp8_moe_ops._checks.meta_key`, and :func:`planned` under that key and
+    the ``FP8_MOE_GLUON`` setting (:func:`.ws_gemm.mode`: it decides which kernel runs a
+    prefill GEMM, so a plan recorded under one setting is not replayed under another).
+    An op's table says how its sources and forward come from its arguments
+    (:meth:`sources`, :meth:`forward`; the sources named as the arguments they come
+    from, :attr:`ARG_NAMES`) and what its cheap key holds (:meth:`cheap_key`).
+
+    :func:`meta_key` reads five attributes of each tensor in Python: 4-5 µs of CPU a call
+    on the CPU machine for an experts op's seven to nine, about 10 µs on the H200's host.
+    So once a key has a plan, a call whose sources are the arguments themselves (or views
+    at their addresses; no strided argument copied dense) and all 16-byte aligned is
+    remembered under a cheaper key (the first argument's shape, the other arguments'
+    values, which optional tensors are given, the setting) with a C++ guard of its
+    tensors' metadata (:func:`metadata_guard`: dtype, device, shape, strides, dispatch
+    keys, requires_grad).  A later call under that key whose tensors pass the guard and
+    whose addresses are 16-byte aligned has the plan's meta_key and replays the plan at
+    once; any other call takes the path above.  A few guards per cheap key (one model
+    may pass Parameters in one layer and plain tensors in another); none where torch
+    offers no such guard.  A meta_key whose calls cannot be guarded (copied or unaligned
+    sources: both fixed by the key) is marked once, so its later calls skip that
+    attempt."""
+
+    GUARDS_PER_KEY = 4
+    MAX_KEYS = 256  # cheap keys; cleared when full (a model has a handful)
+    ARG_NAMES: tuple = ()
+
+    def __init__(self, check):
+        self._check = check
+        self.states: dict = {}  # (meta_key, FP8_MOE_GLUON) -> plan state (planned)
+        self._replays: dict = {}  # cheap key -> [(guard, tensors of args, sources of args, plan)], newest last
+        self._keyed_only: set = set()  # (meta_key, FP8_MOE_GLUON) keys whose calls cannot be guarded
+
+    def cheap_key(self, args: tuple, gluon) -> tuple:
+        """The key of the guards: every argument but the tensors, which optional tensors
+        are given, the first tensor's shape and ``gluon`` (the setting)."""
+        raise NotImplementedError
+
+    def sources(self, args: tuple) -> dict:
+        """The tensors the kernels read, by argument name (None for an absent one)."""
+        raise NotImplementedError
+
+    def forward(self, args: tuple, sources: dict) -> tuple:
+        """The forward on ``sources``: (out, env, layout, calls), as :func:`planned` takes."""
+        raise NotImplementedError
+
+    def __call__(self, args: tuple) -> torch.Tensor:
+        hidden = args[0]
+        gluon = ws_gemm.mode()  # the GEMMs a forward launches depend on it: plans are kept per setting
+        cheap = self.cheap_key(args, gluon)
+        guarded = False  # whether a remembered call's guard passed (its plan did not replay)
+        for guard, tensors_of, sources_of, plan in reversed(self._replays.get(cheap, ())):
+            if guard(*tensors_of(args)):
+                out = plan.run(sources_of(args), hidden, aligned=True)
+                if out is not None:
+                    return out
+                guarded = True  # unaligned, or another current device: the keyed path
+                break
+        key = (meta_key(args), gluon)
+        if key not in self.states:
+            self._check(*args)
+        sources = self.sources(args)
+        out = planned(self.states, key, sources, hidden, lambda: self.forward(args, sources))
+        plan = self.states.get(key)
+        if isinstance(plan, LaunchPlan) and not guarded and key not in self._keyed_only:
+            if not self._remember(cheap, args, sources, plan):
+                if len(self._keyed_only) >= self.MAX_KEYS:
+                    self._keyed_only.clear()
+                self._keyed_only.add(key)
+        return out
+
+    def _remember(self, cheap: tuple, args: tuple, sources: dict, plan: LaunchPlan) -> bool:
+        """Remembers the call under ``cheap`` with a guard; False where it cannot."""
+        at = {name: i for i, name in enumerate(self.ARG_NAMES)}
+        for name, t in sources.items():
+            a = args[at[name]]
+            if t is None or a is None:
+                if t is not a:
+                    return False
+            # a GPU plan reads its sources' addresses: a view of the argument (UE8M0 scales
+            # as bytes, flattened act scales) is the argument; the interpreter reads the
+            # tensors themselves
+            elif (t is not a if plan.device is None else t.data_ptr() != a.data_ptr()) or a.data_ptr() % 16:
+                return False  # a source copied from its argument, or unaligned: replays take the keyed path
+        given = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        guard = metadata_guard([args[i] for i in given])
+        if guard is None:
+            return False
+        entry = (guard, operator.itemgetter(*given), _picker([at[name] for name in sources]), plan)
+        keep_newest(self._replays, cheap, entry, self.GUARDS_PER_KEY, self.MAX_KEYS)
+        return True
