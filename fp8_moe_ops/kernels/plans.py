@@ -41,6 +41,7 @@ __all__ = ["Layout", "LaunchPlan", "planned", "Plans"]
 
 _ALIGN = 256  # bytes from one workspace buffer to the next (the kernels need 16)
 
+
 class Layout(NamedTuple):
     """The workspace: its buffers as (name, dtype, shape, strides, byte offset), and its
     size in bytes."""
