@@ -145,7 +145,8 @@ class LaunchPlan:
     def record(cls, names: list, env: dict, layout: Layout, calls: list[KernelCall]) -> LaunchPlan | None:
         """The plan of a forward just run (:func:`.experts.experts_forward`'s results; ``names``:
         the keys of its ``sources``, in the order a replay passes them), or None where
-        it cannot have one (see the module's docstring)."""
+        it cannot have one: no launches, one tensor object as two sources, a tensor argument
+        that is none of the sources, a launcher compiled for another device."""
         buffers = [name for name, *_ in layout.buffers]
         if not calls:
             return None
@@ -155,7 +156,7 @@ class LaunchPlan:
             if t is None:
                 continue
             if id(t) in sources:
-                return None  # one object as two sources: which one a kernel reads is ambiguous (_distinct)
+                return None  # one object as two sources: which one a kernel reads is ambiguous (experts._distinct)
             sources[id(t)] = _Source(i)
         templates = [_template(call, sources) for call in calls]
         if None in templates:
