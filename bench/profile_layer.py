@@ -4,12 +4,17 @@
         [--table [N,K:][own.|dense.]maxnreg=none] [--slots COMBINE_SLOTS=128] [--name profile_layer]
 
 For each (model, T), dynamic and static activation scales: the median over 20 calls of
-every kernel's device time, their sum, and the CUDA-graph replay time of the whole call
-(the gap between them is the cost of launches and of the GPU idling between dependent
-kernels).  Also the time per layer of one graph of ``--layers`` calls, each on its own
-copy of the weights (as a decode step's graph runs one layer after another; the copies
-keep a layer from finding the previous one's weights in L2): a one-call graph's replay
-also pays for starting the graph.  ``--table`` changes the launch-config table for the run
+every kernel's device time, their sum, and the CUDA-graph replay time of one call.  Also
+the time per layer of one graph of ``--layers`` calls, each on its own copy of the
+weights (as a decode step's graph runs one layer after another; the copies keep a layer
+from finding the previous one's weights in L2): a one-call graph's replay also pays for
+starting the graph, and reads weights its previous replay left in L2.  The 20 profiled
+calls take the copies in turn, so with the default four each call's weights were last
+read three calls before: out of the 50 MB L2 of an H100 or H200 for every benchmark
+model (qwen3_30b_a3b's T=1 layer reads 38 MB; before the thirty-eighth session every
+profiled call read the same copy, and the small layers' kernel times were partly L2
+reads).  The gap between the graph of layers and the kernels' sum is then the cost of
+launches and of the GPU idling between dependent kernels.  ``--table`` changes the launch-config table for the run
 (:func:`common.table_override`), and ``--slots`` the experts forward's fusion thresholds
 (:func:`common.slots_override`): the experiments that decide a setting.  Writes
 ``OUT/<--name>.json`` / ``.md``; exits 1 if any case failed.
@@ -18,6 +23,7 @@ also pays for starting the graph.  ``--table`` changes the launch-config table f
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import sys
 
@@ -31,15 +37,16 @@ CASES = {"deepseek_v3": [1, 8, 16384], "qwen3_30b_a3b": [1, 8, 64, 16384], "mixt
 CALLS = 20
 
 
-def kernel_times(fn, layer_fns) -> dict:
-    """``fn``: one call; ``layer_fns``: calls of the same shapes on distinct weights."""
-    evs = cuda_events(fn, CALLS)
+def kernel_times(layer_fns) -> dict:
+    """``layer_fns``: calls of the same shapes, each on its own weights."""
+    turn = itertools.cycle(layer_fns)
+    evs = cuda_events(lambda: next(turn)(), CALLS)
     per_call = len(evs) // CALLS
     # the i-th kernel of every call (the two GEMMs share a name, not a position)
     kernels = [(evs[i].name, statistics.median(evs[c * per_call + i].device_time_total for c in range(CALLS)))
                for i in range(per_call)]
     return {"launches_per_call": len(evs) / CALLS, "sum_us": sum(t for _, t in kernels),
-            "graph_us": graph_ms(fn) * 1e3,
+            "graph_us": graph_ms(layer_fns[0]) * 1e3,
             "graph_per_layer_us": graph_ms(lambda: [f() for f in layer_fns]) * 1e3 / len(layer_fns),
             "kernels_us": kernels}
 
@@ -55,7 +62,8 @@ def main() -> int:
     p.add_argument("--slots", default=None,
                    help="NAME=VALUE,... the experts forward's ACT_SLOTS / COMBINE_SLOTS for the run")
     p.add_argument("--name", default="profile_layer", help="output files OUT/<name>.json and .md")
-    p.add_argument("--layers", type=int, default=4, help="calls (each on its own weight copy) in the multi-layer graph")
+    p.add_argument("--layers", type=int, default=4,
+                   help="weight copies: the calls of the multi-layer graph, taken in turn by the profiled calls")
     args = p.parse_args()
     if args.table:
         table_override(args.table)
@@ -74,7 +82,7 @@ def main() -> int:
             return lambda: torch.ops.fp8_moe.grouped_experts(*inputs, *weights, BLOCK, "silu", *scales)
 
         runner.run(ExperimentConfig("profile", name, T, scheme),
-                   lambda: kernel_times(call(w), [call(c) for c in copies]))
+                   lambda: kernel_times([call(c) for c in copies]))
 
     def after_model():
         copies.clear()
