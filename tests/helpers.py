@@ -101,8 +101,9 @@ def poison_free_memory() -> None:
 
 
 # Tests holding a model's full-size weights on the GPU (deepseek_v3's take 11 GiB): under
-# pytest-xdist with ``--dist loadgroup`` they all run in one worker, so that several
-# workers never hold such weights at once (eight workers on an 80 GB card ran out).
+# pytest-xdist's ``loadgroup`` scheduling (the default on a GPU: conftest.py) they all run
+# in one worker, so that several workers never hold such weights at once (eight workers
+# on an 80 GB card ran out).
 LARGE_WEIGHTS = pytest.mark.xdist_group("large_weights")
 
 
