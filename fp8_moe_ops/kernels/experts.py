@@ -48,8 +48,8 @@ from .activation import gated_act_quant_call
 from .combine import combine_call
 from .config import gemm_config
 from .launch import KernelCall, launch
-from .moe import (Combine, Gated, _block, _flat, _gemm_call, _large_sort_calls, _quant_call, down_split,
-                  large_sort_hist_shape)
+from .moe import (Combine, Gated, _block, _flat, _gemm_call, _large_sort_calls, _quant_call, _scale_bytes,
+                  down_split, large_sort_hist_shape)
 from .plans import Layout, Plans, planned
 from .quant import quant_launch_shape, scale_grid_strides
 from .sort import CNT_STEP, MAX_SLOTS, _sort_quant_kernel, sort_launch_shape
@@ -288,11 +288,6 @@ def _distinct(sources: dict) -> dict:
             seen.add(id(t))
         out[name] = t
     return out
-
-
-def _scale_bytes(s: torch.Tensor) -> torch.Tensor:
-    # UE8M0 grids reach the GEMM as their bytes (the kernel expands them)
-    return s.view(torch.uint8) if s.dtype == torch.float8_e8m0fnu else s
 
 
 def _stacked_sources(args: tuple) -> dict:

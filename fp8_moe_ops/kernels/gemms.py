@@ -23,13 +23,13 @@ from __future__ import annotations
 import torch
 
 from ..functional import cdiv
-from .experts import _scale_bytes
 from .launch import KernelCall, launch
-from .moe import _block, _flat, _gemm_call, _large_sort_calls, _quant_call, large_sort_hist_shape
+from .moe import _block, _flat, _gemm_call, _large_sort_calls, _quant_call, _scale_bytes, large_sort_hist_shape
 from .plans import Layout, Plans
 from .sort import MAX_SLOTS, _sort_kernel, sort_launch_shape
 
 __all__ = ["linear", "grouped_mm", "batched_mm", "GemmPlans"]
+
 
 def _sources(name: str, args: tuple) -> dict:
     """The tensors the kernels read, named as the op's arguments: ``linear``'s matrix

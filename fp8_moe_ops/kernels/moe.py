@@ -42,6 +42,11 @@ def _flat(t: torch.Tensor | None) -> torch.Tensor | None:
     return t.reshape(-1).contiguous()
 
 
+def _scale_bytes(s: torch.Tensor) -> torch.Tensor:
+    # UE8M0 grids reach the GEMM as their bytes (the kernel expands them)
+    return s.view(torch.uint8) if s.dtype == torch.float8_e8m0fnu else s
+
+
 def _ep(E: int) -> int:
     return max(2, next_power_of_2(E))
 
