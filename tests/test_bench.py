@@ -337,6 +337,45 @@ def test_tune_forces_its_candidate_on_the_gemm_call(common, monkeypatch):
     assert moe.gemm_config is config.gemm_config
 
 
+def test_decode_forms_change_one_launch_and_keep_its_result(common, monkeypatch):
+    # each form rebuilds one GEMM launch of a decode forward (its grid, K ranges and
+    # partials); run under the interpreter, a form that keeps its epilogue computes the
+    # layer's output: narrower tiles bitwise, the down GEMM split into K ranges (a new
+    # partials buffer, summed by its combine) within float32 rounding
+    from fp8_moe_ops.kernels.experts import _stacked, _stacked_sources
+    from fp8_moe_ops.kernels.launch import launch
+
+    forms = _load("decode_forms", monkeypatch)
+    gen = torch.Generator().manual_seed(3)
+    E, H, I, k, T = 5, 256, 256, 2, 3
+    gate_up, down = common.make_weights(E, 2 * I, H, gen, "cpu"), common.make_weights(E, H, I, gen, "cpu")
+    x, ids, weights = common.layer_inputs(common.Model("tiny", E, H, I, k), T, gen, device="cpu")
+    args = (x, ids, weights, *gate_up, *down, [128, 128], "silu", None, None, None)
+    out, env, _, calls = _stacked(args, _stacked_sources(args))
+    shipped = out.clone()
+    at = {"gate_up": 1, "down": 2}
+    assert [c.constexprs["GATED"] for c in calls[1:]] == [True, False] and calls[2].constexprs["COMBINE"]
+    # 7 row tiles (cdiv(6, 16) + min(E, 6) + 1) times 512 / 64 column tiles; times 256 / 64
+    # and 2 K ranges
+    for (gemm, changes), grid, exact in zip(forms.parse_forms("gate_up:BN=64;down:BN=64,SPLIT=2,num_warps=2"),
+                                            (56, 56), (True, False)):
+        new = list(calls)
+        new[at[gemm]] = forms.reformed(calls[at[gemm]], changes)
+        assert (new[at[gemm]].grid, new[at[gemm]].constexprs["BN"]) == ((grid,), 64)
+        env["out"].zero_()
+        for c in new:
+            launch(c)
+        if exact:
+            assert torch.equal(env["out"], shipped)
+        else:
+            assert (new[2].constexprs["SPLIT"], new[2].constexprs["KS"], new[2].options["num_warps"]) == (2, 128, 2)
+            torch.testing.assert_close(env["out"], shipped, rtol=1e-2, atol=0)
+    with pytest.raises(ValueError, match="epilogue=0"):
+        forms.reformed(calls[1], {"SPLIT": 2})
+    with pytest.raises(ValueError, match="keys from"):
+        forms.parse_forms("down:BM=32")
+
+
 def test_static_gap_calibrates_each_expert_on_its_own_tokens(common, monkeypatch):
     # the gate_up scale of expert e is the amax of the tokens routed to e / 448 (an expert
     # without tokens gets the layer's largest, as calibrate_static_scales gives it); the
