@@ -376,6 +376,22 @@ def test_decode_forms_change_one_launch_and_keep_its_result(common, monkeypatch)
         forms.parse_forms("down:BM=32")
 
 
+def test_fused_read_probe_ways_sum_what_torch_sums(common, monkeypatch):
+    # under the interpreter (programs one after another, so in ticket order) every way
+    # reads both buffers whole: the first part's chunks, then the second's, and the
+    # one-launch ways count every first-part program and hand out every ticket
+    probe = _load("fused_read_probe", monkeypatch)
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randint(0, 7, (50000,), dtype=torch.int32, generator=gen)
+    b = torch.randint(0, 7, (20001,), dtype=torch.int32, generator=gen)
+    for way in probe.WAYS:
+        run, out, sync, expected = probe.pair_calls(a, b, way, sms=2)
+        run()
+        assert torch.equal(out, expected) and int(out.sum()) == int(a.sum() + b.sum())
+        chunks_a = probe.shape(a.numel(), probe.PER_SM * 2)[1]
+        assert sync is None or sync.tolist() == [out.numel(), chunks_a]
+
+
 def test_static_gap_calibrates_each_expert_on_its_own_tokens(common, monkeypatch):
     # the gate_up scale of expert e is the amax of the tokens routed to e / 448 (an expert
     # without tokens gets the layer's largest, as calibrate_static_scales gives it); the
