@@ -33,24 +33,10 @@ import triton
 import triton.language as tl
 
 from common import ExperimentConfig, Runner, graph_ms, log, results_table
+from stream_floor import chunk_sum, read_kernel
 
 WAYS = ("two launches", "one launch, no wait", "one launch, wait after", "one launch, wait before")
-PER_SM, BLOCK, WARPS = 8, 1024, 8  # the fastest shape of bench/stream_floor.py at 12.6-50 MB on an H100
-
-
-@triton.jit
-def _chunk_sum(x_ptr, n, chunk_id, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
-    base = chunk_id.to(tl.int64) * CHUNK
-    acc = tl.zeros((BLOCK,), dtype=tl.int32)
-    for off in range(0, CHUNK, BLOCK):
-        idx = base + off + tl.arange(0, BLOCK)
-        acc += tl.load(x_ptr + idx, mask=idx < n, other=0)
-    return tl.sum(acc, 0)
-
-
-@triton.jit
-def _read_kernel(x_ptr, out_ptr, n, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
-    tl.store(out_ptr + tl.program_id(0), _chunk_sum(x_ptr, n, tl.program_id(0), CHUNK, BLOCK))
+PER_SM, BLOCK, WARPS = 8, 1024, 8  # the fastest shape of stream_floor.py at 12.6-50 MB on an H100
 
 
 @triton.jit
@@ -59,14 +45,14 @@ def _pair_kernel(a_ptr, na, b_ptr, nb, out_ptr, sync_ptr, A_PROGRAMS,
     # sync_ptr: [ticket, first-buffer programs done]; WAIT 0: none, 1: after the read, 2: before
     t = tl.atomic_add(sync_ptr, 1, sem="relaxed", scope="gpu")
     if t < A_PROGRAMS:
-        tl.store(out_ptr + t, _chunk_sum(a_ptr, na, t, CHUNK_A, BLOCK))
+        tl.store(out_ptr + t, chunk_sum(a_ptr, na, t, CHUNK_A, BLOCK))
         tl.debug_barrier()
         tl.atomic_add(sync_ptr + 1, 1, sem="release", scope="gpu")
     else:
         if WAIT == 2:
             while tl.atomic_add(sync_ptr + 1, 0, sem="acquire", scope="gpu") < A_PROGRAMS:
                 pass
-        s = _chunk_sum(b_ptr, nb, t - A_PROGRAMS, CHUNK_B, BLOCK)
+        s = chunk_sum(b_ptr, nb, t - A_PROGRAMS, CHUNK_B, BLOCK)
         if WAIT == 1:
             while tl.atomic_add(sync_ptr + 1, 0, sem="acquire", scope="gpu") < A_PROGRAMS:
                 pass
@@ -93,8 +79,8 @@ def pair_calls(a: torch.Tensor, b: torch.Tensor, way: str, sms: int):
     expected = torch.cat([chunk_sums(a, ca, pa), chunk_sums(b, cb, pb)])
     if way == "two launches":
         def run():
-            _read_kernel[(pa,)](a, out, a.numel(), CHUNK=ca, BLOCK=BLOCK, num_warps=WARPS)
-            _read_kernel[(pb,)](b, out[pa:], b.numel(), CHUNK=cb, BLOCK=BLOCK, num_warps=WARPS)
+            read_kernel[(pa,)](a, out, a.numel(), CHUNK=ca, BLOCK=BLOCK, num_warps=WARPS)
+            read_kernel[(pb,)](b, out[pa:], b.numel(), CHUNK=cb, BLOCK=BLOCK, num_warps=WARPS)
         return run, out, None, expected
     sync = torch.zeros(2, dtype=torch.int32, device=a.device)
     wait = WAYS.index(way) - 1

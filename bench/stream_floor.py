@@ -28,13 +28,19 @@ SHAPES = [(per_sm, block, warps) for per_sm in (1, 2, 4, 8) for block in (1024, 
 
 
 @triton.jit
-def _read_kernel(x_ptr, out_ptr, n, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
-    base = tl.program_id(0).to(tl.int64) * CHUNK
+def chunk_sum(x_ptr, n, chunk_id, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    """The sum of chunk ``chunk_id`` (CHUNK int32s, BLOCK a load) of x's n."""
+    base = chunk_id.to(tl.int64) * CHUNK
     acc = tl.zeros((BLOCK,), dtype=tl.int32)
     for off in range(0, CHUNK, BLOCK):
         idx = base + off + tl.arange(0, BLOCK)
         acc += tl.load(x_ptr + idx, mask=idx < n, other=0)
-    tl.store(out_ptr + tl.program_id(0), tl.sum(acc, 0))
+    return tl.sum(acc, 0)
+
+
+@triton.jit
+def read_kernel(x_ptr, out_ptr, n, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    tl.store(out_ptr + tl.program_id(0), chunk_sum(x_ptr, n, tl.program_id(0), CHUNK, BLOCK))
 
 
 def main() -> int:
@@ -56,7 +62,7 @@ def main() -> int:
 
             def reads():
                 for b in bufs:
-                    _read_kernel[grid](b, out, n, CHUNK=chunk, BLOCK=block, num_warps=warps)
+                    read_kernel[grid](b, out, n, CHUNK=chunk, BLOCK=block, num_warps=warps)
 
             def measure():
                 per_launch = graph_ms(reads) * 1e3 / len(bufs)

@@ -380,6 +380,7 @@ def test_fused_read_probe_ways_sum_what_torch_sums(common, monkeypatch):
     # under the interpreter (programs one after another, so in ticket order) every way
     # reads both buffers whole: the first part's chunks, then the second's, and the
     # one-launch ways count every first-part program and hand out every ticket
+    _load("stream_floor", monkeypatch)  # its read kernel
     probe = _load("fused_read_probe", monkeypatch)
     gen = torch.Generator().manual_seed(0)
     a = torch.randint(0, 7, (50000,), dtype=torch.int32, generator=gen)
