@@ -14,14 +14,15 @@ activation, the down GEMM without its fused combine (timing only: the layer is t
 incomplete).  The kernel has no split-K gated activation, so a gate_up form with
 ``SPLIT`` > 1 needs ``epilogue=0``.  Every form is timed as
 
-- ``kernel_us``: a CUDA graph of ``--layers`` launches of the GEMM, each on its own copy of
+- ``gate_up_us`` / ``down_us``: a CUDA graph of ``--layers`` launches of the GEMM, each on its own copy of
   the weights (a decode step never finds a layer's weights in L2) and each after a memset
   of the forward's counters (which the sort zeroes in the layer), less a graph of the
   memsets alone, per launch;
 - ``layer_us``: a graph of ``--layers`` whole forwards with the form in place of the
-  shipped launch, per layer (the thirty-eighth session's "graph of 4" figures);
+  shipped launch, per layer (as ``bench/profile_layer.py``'s graph of layers);
 
-beside the shipped launches (form ``shipped``), all of them ``--rounds`` times in turn.
+beside the shipped launches (form ``shipped``, which times both GEMMs), all of them
+``--rounds`` times in turn.
 A form that keeps its epilogue also reports ``max_rel_diff``: the layer's output against
 the shipped launch's, max |a - b| / max |b| (a split sums K in another order).
 ``programs`` is the launch's grid.  Writes ``OUT/<--name>.json`` / ``.md``; exits 1 if
@@ -138,10 +139,10 @@ def main() -> int:
                 counters.zero_()
 
         def measure(gemm, changes):
-            new = dict(calls=list(calls))
+            new = list(calls)
             if gemm != "shipped":
-                new["calls"][at[gemm]] = reformed(calls[at[gemm]], changes)
-            layers = [[on_weights(c, s) for c in new["calls"]] for s in swaps]
+                new[at[gemm]] = reformed(calls[at[gemm]], changes)
+            layers = [[on_weights(c, s) for c in new] for s in swaps]
             metrics = {}
             if changes.get("epilogue", 1) != 0:
                 for c in layers[0]:
