@@ -9,10 +9,13 @@ For each (model, T, scheme) the script runs the experts forward once on its own 
 and takes its launches (``experts_forward``).  A form changes one GEMM's launch (``gate_up``
 or ``down``): ``BN`` (its column tile), ``SPLIT`` (K ranges summed into float32 partials;
 the down GEMM's fused combine adds them), ``num_warps``, ``num_stages``, ``maxnreg``
-(``none`` drops the cap) and ``epilogue=0``: the gate_up GEMM without its fused gated
-activation, the down GEMM without its fused combine (timing only: the layer is then
-incomplete).  The kernel has no split-K gated activation, so a gate_up form with
-``SPLIT`` > 1 needs ``epilogue=0``.  Every form is timed as
+(``none`` drops the cap), ``epilogue=0``: the gate_up GEMM without its fused gated
+activation, the down GEMM without its fused combine, and ``read=1``: in place of the GEMM,
+``bench/stream_floor.py``'s read kernel over as many weight bytes (timing only: the layer
+is then incomplete).  A form may change both GEMMs (``gate_up:read=1&down:read=1``: the
+layer's floor with its launches as they are).  The kernel has no split-K gated
+activation, so a gate_up form with ``SPLIT`` > 1 needs ``epilogue=0``.  Every form is
+timed as
 
 - ``gate_up_us`` / ``down_us``: a CUDA graph of ``--layers`` launches of the GEMM, each on its own copy of
   the weights (a decode step never finds a layer's weights in L2) and each after a memset
@@ -43,31 +46,52 @@ from fp8_moe_ops.functional import cdiv
 from fp8_moe_ops.kernels.experts import _stacked, _stacked_sources
 from fp8_moe_ops.kernels.grouped_gemm import _grouped_gemm_kernel
 from fp8_moe_ops.kernels.launch import KernelCall, launch
+from stream_floor import FAST, read_kernel, read_shape
 
 CASES = {"qwen3_30b_a3b": [1]}
 FORMS = "gate_up:epilogue=0;down:epilogue=0"
-INT_KEYS = ("BN", "SPLIT", "num_warps", "num_stages", "maxnreg", "epilogue")
+INT_KEYS = ("BN", "SPLIT", "num_warps", "num_stages", "maxnreg", "epilogue", "read")
 
 
-def parse_forms(text: str) -> list[tuple[str, dict]]:
-    """``"gate_up:BN=128,SPLIT=4;down:epilogue=0"`` -> [(gemm, {key: int or None})] (``""``: none)."""
+def parse_forms(text: str) -> list[dict[str, dict]]:
+    """``"gate_up:BN=128,SPLIT=4;gate_up:read=1&down:read=1"`` -> [{gemm: {key: int or
+    None}}]: forms separated by ``;``, a form's GEMMs by ``&`` (``""``: none)."""
     forms = []
-    for part in filter(None, text.split(";")):
-        gemm, _, spec = part.partition(":")
-        if gemm not in ("gate_up", "down"):
-            raise ValueError(f"--forms: expected gate_up: or down: before each form, got {part!r}")
-        changes = {}
-        for item in filter(None, spec.split(",")):
-            key, _, value = item.partition("=")
-            if key not in INT_KEYS:
-                raise ValueError(f"--forms: expected keys from {INT_KEYS}, got {key!r} in {part!r}")
-            changes[key] = None if value == "none" else int(value)
-        forms.append((gemm, changes))
+    for form in filter(None, text.split(";")):
+        changed = {}
+        for part in form.split("&"):
+            gemm, _, spec = part.partition(":")
+            if gemm not in ("gate_up", "down") or gemm in changed:
+                raise ValueError(f"--forms: expected gate_up: or down: (each once) before each change, got {form!r}")
+            changes = changed[gemm] = {}
+            for item in filter(None, spec.split(",")):
+                key, _, value = item.partition("=")
+                if key not in INT_KEYS:
+                    raise ValueError(f"--forms: expected keys from {INT_KEYS}, got {key!r} in {part!r}")
+                changes[key] = None if value == "none" else int(value)
+        forms.append(changed)
     return forms
 
 
-def form_label(gemm: str, changes: dict) -> str:
-    return gemm + ":" + ",".join(f"{k}={'none' if v is None else v}" for k, v in changes.items())
+def form_label(form: dict[str, dict]) -> str:
+    return "&".join(gemm + ":" + ",".join(f"{k}={'none' if v is None else v}" for k, v in changes.items())
+                    for gemm, changes in form.items()) or "shipped"
+
+
+def read_instead(call: KernelCall, experts_hit: int, sms: int) -> KernelCall:
+    """``bench/stream_floor.py``'s read kernel over as many bytes as the GEMM ``call``
+    reads of its weights at decode (``experts_hit`` (N, K) e4m3 matrices: the first ones
+    of the stacked tensor), at its fastest launch shape: what no GEMM of these bytes can beat."""
+    names = [n for n in _grouped_gemm_kernel.arg_names if n not in call.constexprs]
+    w = dict(zip(names, call.args))["w_ptr"]
+    if call.constexprs["W_TABLE"]:
+        raise ValueError("read=1: expected stacked weights, got a weight table")
+    x = w.reshape(-1)[:experts_hit * w[0].numel()].view(torch.int32)
+    per_sm, block, warps = FAST
+    chunk, programs = read_shape(x.numel(), per_sm * sms, block)
+    out = torch.empty(programs, dtype=torch.int32, device=x.device)
+    return KernelCall(read_kernel, (programs,), (x, out, x.numel()), dict(CHUNK=chunk, BLOCK=block),
+                      dict(num_warps=warps))
 
 
 def reformed(call: KernelCall, changes: dict) -> KernelCall:
@@ -102,9 +126,14 @@ def reformed(call: KernelCall, changes: dict) -> KernelCall:
 
 
 def on_weights(call: KernelCall, swap: dict) -> KernelCall:
-    """``call`` with each tensor argument in ``swap`` (by data pointer) replaced."""
-    args = tuple(swap.get(a.data_ptr(), a) if isinstance(a, torch.Tensor) else a for a in call.args)
-    return call._replace(args=args)
+    """``call`` with each tensor argument in ``swap`` (by data pointer) replaced, a view of
+    another dtype (the read kernel's) by the same view of its replacement."""
+    def swapped(a):
+        if not isinstance(a, torch.Tensor) or a.data_ptr() not in swap:
+            return a
+        b = swap[a.data_ptr()]
+        return b if b.dtype == a.dtype else b.reshape(-1).view(a.dtype)[:a.numel()].view(a.shape)
+    return call._replace(args=tuple(map(swapped, call.args)))
 
 
 def main() -> int:
@@ -116,7 +145,7 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=2, help="the forms timed in turn this many times")
     p.add_argument("--name", default="decode_forms", help="output files OUT/<name>.json and .md")
     args = p.parse_args()
-    forms = [("shipped", {})] + parse_forms(args.forms)
+    forms = [{}] + parse_forms(args.forms)  # {}: the shipped launches
     runner = Runner(args.name, args.out_dir)
     gen = torch.Generator(device="cuda").manual_seed(5)
     copies = []
@@ -138,19 +167,23 @@ def main() -> int:
             if counters is not None:
                 counters.zero_()
 
-        def measure(gemm, changes):
+        hit = inputs[1].unique().numel()  # the experts the T tokens hit (all of them read at decode)
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+
+        def measure(form):
             new = list(calls)
-            if gemm != "shipped":
-                new[at[gemm]] = reformed(calls[at[gemm]], changes)
+            for gemm, changes in form.items():
+                new[at[gemm]] = read_instead(calls[at[gemm]], hit, sms) if changes.get("read") else \
+                    reformed(calls[at[gemm]], changes)
             layers = [[on_weights(c, s) for c in new] for s in swaps]
             metrics = {}
-            if changes.get("epilogue", 1) != 0:
+            if all(changes.get("epilogue", 1) != 0 and not changes.get("read") for changes in form.values()):
                 for c in layers[0]:
                     launch(c)
                 ref = shipped_out.float()
                 metrics["max_rel_diff"] = ((env["out"].float() - ref).abs().max() / ref.abs().max()).item()
             for which in ("gate_up", "down"):
-                if gemm in ("shipped", which):
+                if not form or which in form:
                     one = [layer[at[which]] for layer in layers]
 
                     def kernels(one=one):
@@ -171,10 +204,10 @@ def main() -> int:
             return metrics
 
         for r in range(args.rounds):
-            for gemm, changes in forms:
-                label = "shipped" if gemm == "shipped" else form_label(gemm, changes)
-                runner.run(ExperimentConfig("decode_forms", name, T, scheme, params=(("form", label), ("round", r))),
-                           lambda: measure(gemm, changes))
+            for form in forms:
+                runner.run(ExperimentConfig("decode_forms", name, T, scheme,
+                                            params=(("form", form_label(form)), ("round", r))),
+                           lambda: measure(form))
 
     def after_model():
         copies.clear()

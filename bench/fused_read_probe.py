@@ -33,10 +33,10 @@ import triton
 import triton.language as tl
 
 from common import ExperimentConfig, Runner, graph_ms, log, results_table
-from stream_floor import chunk_sum, read_kernel
+from stream_floor import FAST, chunk_sum, read_kernel, read_shape
 
 WAYS = ("two launches", "one launch, no wait", "one launch, wait after", "one launch, wait before")
-PER_SM, BLOCK, WARPS = 8, 1024, 8  # the fastest shape of stream_floor.py at 12.6-50 MB on an H100
+PER_SM, BLOCK, WARPS = FAST
 
 
 @triton.jit
@@ -59,12 +59,6 @@ def _pair_kernel(a_ptr, na, b_ptr, nb, out_ptr, sync_ptr, A_PROGRAMS,
         tl.store(out_ptr + t, s)
 
 
-def shape(n: int, programs: int) -> tuple[int, int]:
-    """(chunk, programs): chunks of whole BLOCKs covering n int32s over about ``programs``."""
-    chunk = triton.cdiv(triton.cdiv(n, programs), BLOCK) * BLOCK
-    return chunk, triton.cdiv(n, chunk)
-
-
 def chunk_sums(x: torch.Tensor, chunk: int, programs: int) -> torch.Tensor:
     padded = torch.zeros(chunk * programs, dtype=x.dtype, device=x.device)
     padded[:x.numel()] = x
@@ -74,7 +68,7 @@ def chunk_sums(x: torch.Tensor, chunk: int, programs: int) -> torch.Tensor:
 def pair_calls(a: torch.Tensor, b: torch.Tensor, way: str, sms: int):
     """(the way's launches for one pair as a function, the sums it writes, the sync words
     or None, the expected sums)."""
-    (ca, pa), (cb, pb) = shape(a.numel(), PER_SM * sms), shape(b.numel(), PER_SM * sms)
+    (ca, pa), (cb, pb) = (read_shape(x.numel(), PER_SM * sms, BLOCK) for x in (a, b))
     out = torch.empty(pa + pb, dtype=torch.int32, device=a.device)
     expected = torch.cat([chunk_sums(a, ca, pa), chunk_sums(b, cb, pb)])
     if way == "two launches":

@@ -341,10 +341,12 @@ def test_decode_forms_change_one_launch_and_keep_its_result(common, monkeypatch)
     # each form rebuilds one GEMM launch of a decode forward (its grid, K ranges and
     # partials); run under the interpreter, a form that keeps its epilogue computes the
     # layer's output: narrower tiles bitwise, the down GEMM split into K ranges (a new
-    # partials buffer, summed by its combine) within float32 rounding
+    # partials buffer, summed by its combine) within float32 rounding.  ``read=1`` puts
+    # the read kernel over the weight bytes the GEMM reads in its place, on each copy's.
     from fp8_moe_ops.kernels.experts import _stacked, _stacked_sources
     from fp8_moe_ops.kernels.launch import launch
 
+    _load("stream_floor", monkeypatch)  # its read kernel
     forms = _load("decode_forms", monkeypatch)
     gen = torch.Generator().manual_seed(3)
     E, H, I, k, T = 5, 256, 256, 2, 3
@@ -355,10 +357,13 @@ def test_decode_forms_change_one_launch_and_keep_its_result(common, monkeypatch)
     shipped = out.clone()
     at = {"gate_up": 1, "down": 2}
     assert [c.constexprs["GATED"] for c in calls[1:]] == [True, False] and calls[2].constexprs["COMBINE"]
+    parsed = forms.parse_forms("gate_up:BN=64;down:BN=64,SPLIT=2,num_warps=2;gate_up:read=1&down:epilogue=0")
+    assert [forms.form_label(f) for f in parsed] == ["gate_up:BN=64", "down:BN=64,SPLIT=2,num_warps=2",
+                                                     "gate_up:read=1&down:epilogue=0"]
     # 7 row tiles (cdiv(6, 16) + min(E, 6) + 1) times 512 / 64 column tiles; times 256 / 64
     # and 2 K ranges
-    for (gemm, changes), grid, exact in zip(forms.parse_forms("gate_up:BN=64;down:BN=64,SPLIT=2,num_warps=2"),
-                                            (56, 56), (True, False)):
+    for form, grid, exact in zip(parsed[:2], (56, 56), (True, False)):
+        ((gemm, changes),) = form.items()
         new = list(calls)
         new[at[gemm]] = forms.reformed(calls[at[gemm]], changes)
         assert (new[at[gemm]].grid, new[at[gemm]].constexprs["BN"]) == ((grid,), 64)
@@ -370,10 +375,22 @@ def test_decode_forms_change_one_launch_and_keep_its_result(common, monkeypatch)
         else:
             assert (new[2].constexprs["SPLIT"], new[2].constexprs["KS"], new[2].options["num_warps"]) == (2, 128, 2)
             torch.testing.assert_close(env["out"], shipped, rtol=1e-2, atol=0)
+    # weights whose int32 words are small (the read kernel sums them in int32), two copies
+    small = [torch.zeros(E, 2 * I, H // 4, 4, dtype=torch.uint8) for _ in range(2)]
+    for i, w in enumerate(small):
+        w[..., 0] = torch.randint(0, 4, w.shape[:3], generator=gen, dtype=torch.uint8) + i
+    w0, w1 = (w.view(torch.float8_e4m3fn).reshape(E, 2 * I, H) for w in small)
+    read = forms.read_instead(calls[1]._replace(args=tuple(w0 if a is gate_up[0] else a for a in calls[1].args)),
+                              experts_hit=3, sms=1)
+    for c, w in ((read, w0), (forms.on_weights(read, {w0.data_ptr(): w1}), w1)):
+        launch(c)
+        assert int(c.args[1].sum()) == int(w[:3].reshape(-1).view(torch.int32).sum()) > 0
     with pytest.raises(ValueError, match="epilogue=0"):
         forms.reformed(calls[1], {"SPLIT": 2})
     with pytest.raises(ValueError, match="keys from"):
         forms.parse_forms("down:BM=32")
+    with pytest.raises(ValueError, match="each once"):
+        forms.parse_forms("down:BN=32&down:SPLIT=2")
 
 
 def test_fused_read_probe_ways_sum_what_torch_sums(common, monkeypatch):
@@ -389,7 +406,7 @@ def test_fused_read_probe_ways_sum_what_torch_sums(common, monkeypatch):
         run, out, sync, expected = probe.pair_calls(a, b, way, sms=2)
         run()
         assert torch.equal(out, expected) and int(out.sum()) == int(a.sum() + b.sum())
-        chunks_a = probe.shape(a.numel(), probe.PER_SM * 2)[1]
+        chunks_a = probe.read_shape(a.numel(), probe.PER_SM * 2, probe.BLOCK)[1]
         assert sync is None or sync.tolist() == [out.numel(), chunks_a]
 
 
