@@ -82,8 +82,7 @@ def read_instead(call: KernelCall, experts_hit: int, sms: int) -> KernelCall:
     """``bench/stream_floor.py``'s read kernel over as many bytes as the GEMM ``call``
     reads of its weights at decode (``experts_hit`` (N, K) e4m3 matrices: the first ones
     of the stacked tensor), at its fastest launch shape: what no GEMM of these bytes can beat."""
-    names = [n for n in _grouped_gemm_kernel.arg_names if n not in call.constexprs]
-    w = dict(zip(names, call.args))["w_ptr"]
+    w = _named_args(call)["w_ptr"]
     if call.constexprs["W_TABLE"]:
         raise ValueError("read=1: expected stacked weights, got a weight table")
     x = w.reshape(-1)[:experts_hit * w[0].numel()].view(torch.int32)
@@ -94,12 +93,16 @@ def read_instead(call: KernelCall, experts_hit: int, sms: int) -> KernelCall:
                       dict(num_warps=warps))
 
 
+def _named_args(call: KernelCall) -> dict:
+    """The grouped GEMM launch's run-time arguments by parameter name, in order."""
+    return dict(zip((n for n in _grouped_gemm_kernel.arg_names if n not in call.constexprs), call.args))
+
+
 def reformed(call: KernelCall, changes: dict) -> KernelCall:
     """The grouped GEMM's ``call`` with ``changes`` (module doc): its grid, compile-time
     values, options and (for a new K split) a partials buffer of its own."""
     meta = dict(call.constexprs)
-    names = [n for n in _grouped_gemm_kernel.arg_names if n not in meta]
-    args = dict(zip(names, call.args))
+    args = _named_args(call)
     options = dict(call.options)
     if changes.get("epilogue", 1) == 0:
         meta.update(GATED=False, COMBINE=False)
@@ -122,7 +125,7 @@ def reformed(call: KernelCall, changes: dict) -> KernelCall:
             else:
                 options[key] = changes[key]
     grid = (args["num_pid_m"] * cdiv(N, BN) * (2 if meta["W_SPLIT"] else 1) * SPLIT,)
-    return KernelCall(call.kernel, grid, tuple(args[n] for n in names), meta, options)
+    return KernelCall(call.kernel, grid, tuple(args.values()), meta, options)
 
 
 def on_weights(call: KernelCall, swap: dict) -> KernelCall:
