@@ -63,7 +63,8 @@ class Layout(NamedTuple):
 
     def views(self, ws: torch.Tensor) -> list[torch.Tensor]:
         """The buffers as typed views of ``ws`` (``nbytes`` uint8), in order."""
-        return [ws.view(dt).as_strided(shape, strides, off // dt.itemsize) for _, dt, shape, strides, off in self.buffers]
+        return [ws.view(dt).as_strided(shape, strides, off // dt.itemsize)
+                for _, dt, shape, strides, off in self.buffers]
 
 
 class _Source(int):
