@@ -549,6 +549,49 @@ def test_experts_gate_up_a_quantised_in_sorted_order_equals_gathered_bitwise(sta
     assert gathered.abs().sum() > 0
 
 
+@pytest.mark.parametrize("case", list(_EXPERT_CASES))
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_gemms_reading_the_tile_map_equal_the_offsets_scan_bitwise(case, static):
+    # at S <= MAX_SLOTS both GEMMs take their tile and rows from the sort's tile map; a
+    # map of 8-row tiles (no GEMM's height) leaves them to scan the offsets and load perm
+    # as before: the same rows, so the same bytes, fused launches or not
+    args, kw = _experts_args(case, torch.bfloat16, torch.float32, static, seed=6)
+    launched = []
+
+    def spy(*a, **k):
+        launched.append(real_calls(*a, **k))
+        return launched[-1]
+
+    real_calls = experts._calls
+    for slots in (experts.COMBINE_SLOTS, 0):
+        with mock.patch.object(experts, "COMBINE_SLOTS", slots), mock.patch.object(experts, "_calls", spy):
+            mapped = kernels.grouped_experts(*args, **kw)
+            with mock.patch.object(experts, "_map_bm", lambda *_: 8):
+                scanned = kernels.grouped_experts(*args, **kw)
+        assert torch.equal(mapped, scanned) and mapped.abs().sum() > 0
+        gemm_launches = [[c for c in calls if c.kernel is _grouped_gemm_kernel] for calls in launched[-2:]]
+        assert all(c.constexprs["TILE_MAP"] for c in gemm_launches[0]) and len(gemm_launches[0]) == 2
+        assert not any(c.constexprs["TILE_MAP"] for c in gemm_launches[1])
+
+
+@pytest.mark.parametrize("case", ["empty_expert", "sentinels", "T_lt_block_prime_E"])
+def test_tile_map_entries_past_the_rows_are_never_used(case):
+    # every allocation filled with 0x7f bytes first (int32 2139062143, e4m3 NaN): the
+    # map's unwritten entries (past the real tiles, past an expert's last row in its last
+    # tile) would send a GEMM out of bounds or into NaN
+    args, kw = _experts_args(case, torch.bfloat16, torch.float32, False, seed=8)
+    real_empty = torch.empty
+
+    def poisoned(*a, **k):
+        t = real_empty(*a, **k)
+        t.view(-1).view(torch.uint8).fill_(0x7F)
+        return t
+
+    clean = kernels.grouped_experts(*args, **kw)
+    with mock.patch.object(torch, "empty", poisoned):
+        assert torch.equal(kernels.grouped_experts(*args, **kw), clean)
+
+
 def test_experts_empty_tokens():
     args, _ = _experts_args("T1", torch.bfloat16, torch.float32, static=False)
     args[0], args[1], args[2] = args[0][:0], args[1][:0], args[2][:0]
@@ -814,6 +857,53 @@ def test_three_launch_sort_refuses_keys_past_int32():
     assert sort.large_sort_launch_shape(10**6, most)[2] == most + 1
     with pytest.raises(ValueError, match=f"expected at most {most}, got {most + 1}"):
         sort.large_sort_launch_shape(10**6, most + 1)
+
+
+def _map_tiles(perm, offsets, S, bm):
+    """The reference's tiles of ``bm`` rows: [(expert, first row, the expert's end, the
+    tile's slots)]."""
+    ends = offsets.clamp(max=S).tolist()
+    tiles = []
+    for e, end in enumerate(ends):
+        start = ends[e - 1] if e else 0
+        tiles += [(e, r0, end, perm[r0:min(r0 + bm, end)].tolist()) for r0 in range(start, end, bm)]
+    return tiles
+
+
+@pytest.mark.parametrize("S,E,kind,bm", [
+    (1, 3, "random", 16),
+    (5, 1, "random", 16),       # one expert
+    (8, 256, "random", 16),     # E > S
+    (37, 7, "random", 16),      # prime E, experts of several tiles with partial last ones
+    (128, 127, "random", 16),   # one full sort block
+    (129, 5, "one", 64),        # every slot on one expert; a second block of one slot
+    (300, 7, "random", 64),
+    (200, 9, "sentinel", 16),   # no slot on any expert: no tile
+    (2048, 255, "random", 16),  # the largest one-launch S
+])
+def test_sort_writes_the_gemms_tile_map(S, E, kind, bm):
+    # the one-launch sort's map of the GEMMs' row tiles: the header, each real tile's
+    # (expert, first row, the expert's end) and its rows' slots, as the reference's sort
+    # gives them; the entries past the real tiles are left unwritten
+    ids = _sort_ids(S, E, kind).reshape(-1, 1)
+    n_tiles = moe.max_row_tiles(S, E, bm, True)
+    tile_map = torch.full((sort.tile_map_size(n_tiles, bm),), -7, dtype=torch.int32)
+    perm, offsets = torch.empty(S, dtype=torch.int32), torch.empty(E, dtype=torch.int32)
+    x = torch.zeros(S, 16)
+    q, q_scale = torch.empty(S, 16, dtype=FP8), torch.empty(S, 1)
+    experts.launch(experts._sort_quant_call(ids, perm, offsets, None, moe.TileMap(tile_map, bm), E, x, q, q_scale,
+                                            16, False))
+    rperm, roffsets = reference.sort_by_expert(ids, E)
+    assert torch.equal(perm.long(), rperm) and torch.equal(offsets, roffsets)
+    tiles = _map_tiles(rperm, roffsets, S, bm)
+    assert tile_map[:2].tolist() == [len(tiles), int(roffsets[-1])]
+    for t, (e, r0, end, slots) in enumerate(tiles):
+        assert tile_map[4 + 4 * t:7 + 4 * t].tolist() == [e, r0, end], t
+        first = 4 + 4 * n_tiles + t * bm
+        assert tile_map[first:first + len(slots)].tolist() == slots, t
+        assert (tile_map[first + len(slots):first + bm] == -7).all(), t
+    assert (tile_map[4 + 4 * len(tiles):4 + 4 * n_tiles] == -7).all()
+    assert (tile_map[4 + 4 * n_tiles + len(tiles) * bm:] == -7).all()
 
 
 @pytest.mark.parametrize("first", [0, 2], ids=["first_expert_empty", "first_expert_rows"])

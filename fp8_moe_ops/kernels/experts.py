@@ -4,8 +4,9 @@
 Layout of the forward (S = T * k slots, slot ``t*k + j`` is token t's j-th choice):
 
 1. ``perm`` (S,) sorted position -> slot, ``offsets`` (E,): :mod:`.sort`, one launch
-   for S <= 2048, else three (histograms, their prefix sums, the scatter; also where
-   the gate_up GEMM reads its A in place, step 3);
+   for S <= 2048, which also writes both GEMMs' ``tile_map`` (their row tiles, and the
+   tiles' slots: :func:`.sort.write_tile_map`), else three (histograms, their prefix
+   sums, the scatter; also where the gate_up GEMM reads its A in place, step 3);
 2. activations quantised once, in the sort's launch where the sort is one: dynamic,
    (T, H) per token (scales do not depend on the expert); static, the (S, H) slots
    with their expert's scale, in slot order (that needs the ids, not the sort);
@@ -48,11 +49,12 @@ from .activation import gated_act_quant_call
 from .combine import combine_call
 from .config import gemm_config
 from .launch import KernelCall, launch
-from .moe import (Combine, Gated, _block, _flat, _gemm_call, _large_sort_calls, _quant_call, _scale_bytes,
+from .grouped_gemm import max_row_tiles
+from .moe import (Combine, Gated, TileMap, _block, _flat, _gemm_call, _large_sort_calls, _quant_call, _scale_bytes,
                   down_split, large_sort_hist_shape)
 from .plans import Layout, Plans, planned
 from .quant import quant_launch_shape, scale_grid_strides
-from .sort import CNT_STEP, MAX_SLOTS, _sort_quant_kernel, sort_launch_shape
+from .sort import CNT_STEP, MAX_SLOTS, _sort_quant_kernel, sort_launch_shape, tile_map_size
 
 __all__ = ["grouped_experts", "batched_experts", "experts_forward", "planned_experts", "StackedPlans"]
 
@@ -87,7 +89,10 @@ def _layout(T: int, k: int, E: int, H: int, I: int, bk: int, dtype: torch.dtype,
     scheme's activation scales (rows, K groups) in the order :func:`_kmajor_scales` says."""
     S = T * k
     bufs = [("perm", torch.int32, (S,)), ("offsets", torch.int32, (E,))]
-    if S > MAX_SLOTS or sorted_a:
+    if S <= MAX_SLOTS and not sorted_a:
+        bm = _map_bm(S, E, H, I)
+        bufs.append(("tile_map", torch.int32, (tile_map_size(max_row_tiles(S, E, bm, True), bm),)))
+    else:
         bufs.append(("hist", torch.int32, large_sort_hist_shape(S, E)))
         if sorted_a:
             bufs.append(("slot_rows", torch.int32, (S,)))
@@ -106,6 +111,12 @@ def _layout(T: int, k: int, E: int, H: int, I: int, bk: int, dtype: torch.dtype,
         bufs.append(("a_scale", torch.float32, (S, cdiv(I, bk))))
     bufs.append(("y", dtype, (S, H)))
     return Layout.of(bufs)
+
+
+def _map_bm(S: int, E: int, H: int, I: int) -> int:
+    """The row tiles of the one-launch sort's tile map: the gate_up GEMM's (the down
+    GEMM's are the same at decode; a GEMM of other tiles scans the offsets)."""
+    return gemm_config(S, E, 2 * I, H)["BM"]
 
 
 def _kmajor_scales(S: int) -> bool:
@@ -140,11 +151,12 @@ def routing_sources(hidden, top_k_index, top_k_weights, gate_up_act_scale, down_
                 gate_up_act_scale=gate_up_act_scale, down_act_scale=down_act_scale)
 
 
-def _sort_quant_call(ids, perm, offsets, counters, E: int, x, q, q_scale, bk: int, static: bool) -> KernelCall:
-    """The one-launch sort of the slots (zeroing ``counters`` if given) and the
-    quantisation of x (T, H), together: dynamic, x's T rows with their scales into
-    ``q_scale``; static, each row into its k slots (slot order) with their experts'
-    scales ``q_scale``."""
+def _sort_quant_call(ids, perm, offsets, counters, tile_map: TileMap, E: int, x, q, q_scale, bk: int,
+                     static: bool) -> KernelCall:
+    """The one-launch sort of the slots (zeroing ``counters`` if given, writing the
+    GEMMs' ``tile_map``) and the quantisation of x (T, H), together: dynamic, x's T rows
+    with their scales into ``q_scale``; static, each row into its k slots (slot order)
+    with their experts' scales ``q_scale``."""
     S = ids.numel()
     (sort_programs,), block, bins, nb = sort_launch_shape(S, E)
     T, H = x.shape
@@ -154,10 +166,10 @@ def _sort_quant_call(ids, perm, offsets, counters, E: int, x, q, q_scale, bk: in
     step = CNT_STEP.value
     cnt, cnt_block = (offsets if counters is None else counters, n_cnt), cdiv(n_cnt, step) * step
     return KernelCall(_sort_quant_kernel, (sort_programs + row_blocks * groups,), (
-        ids, perm, offsets, *cnt, S, E, sort_programs,
+        ids, perm, offsets, *cnt, S, E, tile_map.tiles, max_row_tiles(S, E, tile_map.bm, True), sort_programs,
         x, x.stride(0), x.stride(1), q, q_scale, *scale_grid_strides(q_scale, static), T, H, groups,
-    ), dict(BLOCK=block, NB=bins, NUM_BLOCKS=nb, CNT_BLOCK=cnt_block, TOPK=k, KP=next_power_of_2(k), STATIC=static,
-            GROUP=bk, BLOCK_R=block_r, BLOCK_G=block_g), {})
+    ), dict(BLOCK=block, NB=bins, NUM_BLOCKS=nb, CNT_BLOCK=cnt_block, MAP_BM=tile_map.bm, TOPK=k,
+            KP=next_power_of_2(k), STATIC=static, GROUP=bk, BLOCK_R=block_r, BLOCK_G=block_g), {})
 
 
 def _sorted_a(device: torch.device, gate_up: tuple, S: int, E: int, I: int, H: int, block: tuple[int, int]) -> bool:
@@ -193,9 +205,12 @@ def _calls(env: dict, E: int, I: int, block: tuple[int, int], activation: str, s
     q = env["q"]
     static = gate_up_act_scale is not None
     q_scale = gate_up_act_scale if static else env["q_scale"]
-    gemm = dict(offsets=offsets, perm=perm, gather_a=True, topk=1 if static else k, static=static)
-    if S <= MAX_SLOTS and not sorted_a:
-        calls = [_sort_quant_call(ids, perm, offsets, counters, E, hidden, q, q_scale, bk, static)]
+    tile_map = None
+    if "tile_map" in env:
+        tile_map = TileMap(env["tile_map"], _map_bm(S, E, hidden.shape[1], I))
+    gemm = dict(offsets=offsets, perm=perm, gather_a=True, topk=1 if static else k, static=static, tile_map=tile_map)
+    if tile_map is not None:
+        calls = [_sort_quant_call(ids, perm, offsets, counters, tile_map, E, hidden, q, q_scale, bk, static)]
     else:
         calls = _large_sort_calls(ids, perm, offsets, env["hist"], env.get("slot_rows"), E)
         if sorted_a:  # q (S, H) in sorted order, read in place: each token quantised once, stored per slot
@@ -224,7 +239,7 @@ def _calls(env: dict, E: int, I: int, block: tuple[int, int], activation: str, s
     weights, out = env["top_k_weights"], env["out"]
     fused = Combine(ids, weights, out, counters, env.get("partials")) if counters is not None else None
     calls.append(_gemm_call(a_q, a_s, *down, block, y, offsets=offsets, perm=perm, scatter_out=True,
-                            static=static_down, combine=fused))
+                            static=static_down, combine=fused, tile_map=tile_map))
     if fused is None:
         calls.append(combine_call(y, ids, weights, E, out))
     return [c for c in calls if c is not None]

@@ -20,6 +20,15 @@ of E groups plus one tail group; tiles past the tail exit at once.  The tail til
 (rows at or past ``offsets[-1]``, i.e. sentinel slots) write zeros, so every output
 row is written.
 
+``TILE_MAP`` (the experts forward's GEMMs up to 2048 slots, :mod:`.experts`): the sort
+launch has written that map for tiles of ``BM`` rows (:func:`.sort.write_tile_map`), and
+a program loads its tile's (expert, first row, the expert's end) and its rows' slots at
+addresses it knows at its start.  Without it a decode program's first weight copy waits
+for the offsets' load, the scan (CTA barriers at E = 128 and 256) and the load of
+``perm`` that its A rows' addresses need; with it, for one load.  The gathered A rows are
+then ``slot // TOPK`` and the scattered output rows the slots (no load of ``perm`` after
+the K loop either): the same rows, so the same results bitwise.
+
 ``W_TABLE``: the weights are E separate (N, K) tensors (an ``nn.ModuleList`` of
 experts) and ``w_ptr`` / ``ws_ptr`` point to (E,) int64 tables of their addresses
 (:mod:`.moe_list`); expert e's tile reads its base address from the table, and the
@@ -92,6 +101,7 @@ def _grouped_gemm_kernel(
     out_ptr, stride_om,                      # out (rows, N)
     perm_ptr,                                # (S,) sorted position -> slot (GATHER_A / SCATTER_OUT)
     offsets_ptr,                             # (E,) int32 inclusive cumsum of rows per expert
+    map_ptr,                                 # TILE_MAP: the sort's map of the num_pid_m row tiles (module doc)
     ids_ptr, tw_ptr, final_ptr, counter_ptr, T,  # COMBINE: (T, k) ids and weights, (T, N) output; counters
     part_ptr,                                # SPLIT > 1: (S, SPLIT, N) float32 partial sums
     act_q_ptr, act_s_ptr, limit,             # GATED: (S, I) e4m3 out; dynamic (S, G) scales out, static (E,) in
@@ -99,7 +109,7 @@ def _grouped_gemm_kernel(
     K: tl.constexpr,  # constexpr: static trip count (and the interpreter cannot loop to a runtime int)
     TOPK: tl.constexpr, BN_SCALE: tl.constexpr, BK_SCALE: tl.constexpr,
     GATHER_A: tl.constexpr, SCATTER_OUT: tl.constexpr, STATIC: tl.constexpr,
-    SCALE_E8M0: tl.constexpr, HAS_OFFSETS: tl.constexpr, W_SCALE_PER_TILE: tl.constexpr,
+    SCALE_E8M0: tl.constexpr, HAS_OFFSETS: tl.constexpr, TILE_MAP: tl.constexpr, W_SCALE_PER_TILE: tl.constexpr,
     W_TABLE: tl.constexpr, W_ALIGN: tl.constexpr,  # W_ALIGN: bytes every table address is a multiple of
     W_SPLIT: tl.constexpr,  # W_TABLE of 2E (N, K) gates then ups -> out (rows, 2N)
     COMBINE: tl.constexpr, TB: tl.constexpr, KP: tl.constexpr,  # the fused combine (module doc)
@@ -123,7 +133,21 @@ def _grouped_gemm_kernel(
     pid_m = first_m + (pid % per_group) % group_m
     pid_n = (pid % per_group) // group_m
 
-    if HAS_OFFSETS:
+    if TILE_MAP:
+        # every load at an address known at the start: the header, the tile's entry and
+        # its rows' slots (those of a tile past the real ones are never written, nor used)
+        total = tl.load(map_ptr)
+        last = tl.load(map_ptr + 1)
+        entry = map_ptr + 4 + 4 * pid_m
+        e = tl.load(entry)
+        row0 = tl.load(entry + 1)
+        row_end = tl.load(entry + 2)
+        slots = tl.load(map_ptr + 4 + 4 * num_pid_m + pid_m * BM + tl.arange(0, BM))
+        if GATED:  # the activation's experts of its rows
+            eo = tl.arange(0, EP)
+            emask = eo < E
+            ends = tl.minimum(tl.load(offsets_ptr + eo, mask=emask, other=0), S)
+    elif HAS_OFFSETS:
         eo = tl.arange(0, EP)
         emask = eo < E
         ends = tl.minimum(tl.load(offsets_ptr + eo, mask=emask, other=0), S)
@@ -164,19 +188,23 @@ def _grouped_gemm_kernel(
                                SPLIT)
         return
 
-    if HAS_OFFSETS:
-        e = tl.sum((cum <= pid_m).to(tl.int32), 0)
-        sel = eo == e
-        row0 = tl.sum(tl.where(sel, starts + (pid_m - (cum - tiles)) * BM, 0), 0)
-        row_end = tl.sum(tl.where(sel, ends, 0), 0)
-    else:
-        e = 0
-        row0 = pid_m * BM
-        row_end = S
+    if not TILE_MAP:  # (the map's tile entry was loaded at the start)
+        if HAS_OFFSETS:
+            e = tl.sum((cum <= pid_m).to(tl.int32), 0)
+            sel = eo == e
+            row0 = tl.sum(tl.where(sel, starts + (pid_m - (cum - tiles)) * BM, 0), 0)
+            row_end = tl.sum(tl.where(sel, ends, 0), 0)
+        else:
+            e = 0
+            row0 = pid_m * BM
+            row_end = S
     rows = row0 + tl.arange(0, BM)
     rmask = rows < row_end
     if GATHER_A:
-        arow = tl.load(perm_ptr + rows, mask=rmask, other=0) // TOPK
+        if TILE_MAP:
+            arow = slots // TOPK
+        else:
+            arow = tl.load(perm_ptr + rows, mask=rmask, other=0) // TOPK
     else:
         arow = rows
     arow = arow.to(tl.int64)
@@ -257,7 +285,10 @@ def _grouped_gemm_kernel(
         w_ptrs += BK
 
     if SCATTER_OUT:
-        orow = tl.load(perm_ptr + rows, mask=rmask, other=0)
+        if TILE_MAP:
+            orow = slots
+        else:
+            orow = tl.load(perm_ptr + rows, mask=rmask, other=0)
     else:
         orow = rows
     if SPLIT > 1:  # this K range's float32 sum; the combine adds the ranges in order

@@ -143,10 +143,22 @@ class Gated(NamedTuple):
     offset: int
 
 
+class TileMap(NamedTuple):
+    """The sort's map of the grouped GEMMs' row tiles (:func:`.sort.write_tile_map`)."""
+
+    tiles: torch.Tensor  # int32, sort.tile_map_size(max_row_tiles(S, E, bm, True), bm) entries
+    bm: int  # the tiles' rows: a GEMM of another BM scans the offsets instead
+
+
 def _gemm_call(q, q_scale, w, w_scale, block, out, *, offsets=None, perm=None, gather_a=False, scatter_out=False,
-               static=False, topk=1, combine: Combine | None = None, gated: Gated | None = None) -> KernelCall | None:
+               static=False, topk=1, combine: Combine | None = None, gated: Gated | None = None,
+               tile_map: TileMap | None = None) -> KernelCall | None:
     """The launch of ``out[rows] = q[rows] @ dequant(w[expert])^T`` over the
     expert-sorted rows (None when there are none).
+
+    ``tile_map`` (with ``offsets`` and ``perm``): the sort's map of the row tiles, which
+    the launch reads instead of scanning ``offsets`` and loading ``perm`` where its
+    tiles have the map's height.
 
     ``combine`` also combines ``out`` (the slot-order (T*k, N) y of the experts forward,
     contiguous) into ``combine.final`` in the same launch.  ``gated`` also runs the
@@ -185,6 +197,7 @@ def _gemm_call(q, q_scale, w, w_scale, block, out, *, offsets=None, perm=None, g
     k_split = cfg.get("SPLIT", 1)
     BM, BN = cfg["BM"], cfg["BN"]
     num_pid_m = max_row_tiles(S, E, BM, offsets is not None)
+    mapped = tile_map is not None and tile_map.bm == BM and offsets is not None
     grid = (num_pid_m * cdiv(N, BN) * (2 if split else 1) * k_split,)
     dummy = out
     options = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
@@ -217,11 +230,12 @@ def _gemm_call(q, q_scale, w, w_scale, block, out, *, offsets=None, perm=None, g
         w, ws, *ws_strides,
         out, out.stride(0),
         perm if perm is not None else dummy, offsets if offsets is not None else dummy,
+        tile_map.tiles if mapped else dummy,
         ids, weights, final, counters, T, partials, *act,
         S, N, E, num_pid_m,
     ), dict(K=K, TOPK=topk, BN_SCALE=bn, BK_SCALE=bk,
             GATHER_A=gather_a, SCATTER_OUT=scatter_out, STATIC=static,
-            SCALE_E8M0=e8m0, HAS_OFFSETS=offsets is not None,
+            SCALE_E8M0=e8m0, HAS_OFFSETS=offsets is not None, TILE_MAP=mapped,
             W_SCALE_PER_TILE=bn % BN == 0 or one_scale_row, W_TABLE=table, W_ALIGN=align, W_SPLIT=split,
             COMBINE=combine is not None, TB=tb, KP=kp, SPLIT=k_split, KS=cdiv(cdiv(K, bk_step), k_split) * bk_step,
             **act_meta, BM=BM, BN=BN, BK=bk_step, EP=_ep(E), GROUP_M=cfg["GROUP_M"]), options)

@@ -18,11 +18,13 @@ Here each program owns ``BLOCK`` slots (sentinels keyed E, so last):
 Up to ``MAX_SLOTS`` slots every program computes the histograms itself, O(S / BLOCK)
 of them per program (no O(S^2) or O(E * S) compare matrix: the previous rank-counting
 version spent 10-37 us at T = 1-64 there), in one launch with the activations'
-quantisation.  Beyond, three launches of O(S) work in all: each block's histogram
-(``LARGE_BLOCK`` slots per program), their exclusive prefix sums over the blocks, one
-program per ``SCAN_BINS`` bins (in place, the totals in one more row), then each block
-sorts itself and stores ``perm`` and, for the prefill GEMM that reads its A rows in
-place, the inverse (each slot's sorted position).  Same results as the torch path,
+quantisation; there the blocks also write the grouped GEMMs' map of their row tiles
+(:func:`write_tile_map`), so that a GEMM program finds its tile without a scan.
+Beyond, three launches of O(S) work in all: each block's histogram (``LARGE_BLOCK``
+slots per program), their exclusive prefix sums over the blocks, one program per
+``SCAN_BINS`` bins (in place, the totals in one more row), then each block sorts itself
+and stores ``perm`` and, for the prefill GEMM that reads its A rows in place, the
+inverse (each slot's sorted position).  Same results as the torch path,
 bitwise: a stable sort is unique.
 """
 
@@ -55,11 +57,12 @@ def _key(ids_ptr, j, S, E):
 
 @triton.jit
 def scatter_block(pid, ids_ptr, perm_ptr, offsets_ptr, rows_ptr, total, before, S, E, BLOCK: tl.constexpr,
-                  NB: tl.constexpr, SLOT_ROWS: tl.constexpr):
+                  NB: tl.constexpr, SLOT_ROWS: tl.constexpr, map_ptr, n_tiles, MAP_BM: tl.constexpr):
     """Block ``pid``'s slots to their sorted positions, given the histograms (``NB``
     bins) of all S keys (``total``) and of the blocks before this one (``before``):
     ``perm[dest] = slot`` and, with ``SLOT_ROWS``, ``rows[slot] = dest``; program 0
-    also writes ``offsets``."""
+    also writes ``offsets``.  With ``MAP_BM`` > 0, also the GEMMs' tile map of
+    ``n_tiles`` row tiles of MAP_BM rows (:func:`write_tile_map`)."""
     lane = tl.arange(0, BLOCK)
     i = pid * BLOCK + lane
     key = _key(ids_ptr, i, S, E)  # padded lanes get key E, and sort after every valid lane
@@ -77,14 +80,44 @@ def scatter_block(pid, ids_ptr, perm_ptr, offsets_ptr, rows_ptr, total, before, 
     if pid == 0:
         eo = tl.arange(0, NB)
         tl.store(offsets_ptr + eo, tl.cumsum(total, 0), mask=eo < E)
+    if MAP_BM > 0:
+        write_tile_map(pid, map_ptr, n_tiles, total, less_all, k_p, dest, slot, S, E, NB, MAP_BM)
 
 
 @triton.jit
-def sort_block(pid, ids_ptr, perm_ptr, offsets_ptr, cnt_ptr, n_cnt, S, E, BLOCK: tl.constexpr, NB: tl.constexpr,
-               NUM_BLOCKS: tl.constexpr, CNT_BLOCK: tl.constexpr):
+def write_tile_map(pid, map_ptr, n_tiles, total, starts, key, dest, slot, S, E, NB: tl.constexpr,
+                   MAP_BM: tl.constexpr):
+    """The grouped GEMMs' map of their row tiles (``MAP_BM`` rows; int32, laid out as
+    :func:`tile_map_size` says), from the lanes of one sort block: each slot (``key``
+    its expert, ``dest`` its sorted row) writes its entry of its tile's slots, the slot
+    of a tile's first row writes the tile's (expert, first row, the expert's end), and
+    program 0 the header (the tiles with rows, the rows with an expert).  A GEMM program
+    then loads its tile and its rows' slots at addresses it knows at its start, where
+    it would otherwise scan the offsets for its tile and then load ``perm``."""
+    bins = tl.arange(0, NB)
+    tiles = tl.where(bins < E, tl.cdiv(total, MAP_BM), 0)  # the sentinels' bin E has none
+    first_tile = tl.cumsum(tiles, 0) - tiles
+    valid = (slot < S) & (key < E)
+    r = dest - tl.gather(starts, key, 0)  # the slot's row within its expert's rows
+    tile = tl.gather(first_tile, key, 0) + r // MAP_BM
+    tl.store(map_ptr + 4 + 4 * n_tiles + tile * MAP_BM + r % MAP_BM, slot, mask=valid)
+    head = map_ptr + 4 + 4 * tile
+    first = valid & (r % MAP_BM == 0)
+    tl.store(head, key, mask=first)
+    tl.store(head + 1, dest, mask=first)
+    tl.store(head + 2, tl.gather(starts + total, key, 0), mask=first)
+    if pid == 0:
+        tl.store(map_ptr, tl.sum(tiles, 0))
+        tl.store(map_ptr + 1, tl.sum(tl.where(bins < E, total, 0), 0))
+
+
+@triton.jit
+def sort_block(pid, ids_ptr, perm_ptr, offsets_ptr, cnt_ptr, n_cnt, S, E, map_ptr, n_tiles, BLOCK: tl.constexpr,
+               NB: tl.constexpr, NUM_BLOCKS: tl.constexpr, CNT_BLOCK: tl.constexpr, MAP_BM: tl.constexpr):
     """Block ``pid`` of the sort (program 0 also writes ``offsets``, and zeroes the
     ``n_cnt`` <= ``CNT_BLOCK`` int32 counters of the forward's fused activation and
-    combine, if any: ``CNT_BLOCK`` a multiple of ``CNT_STEP``, 0 for none)."""
+    combine, if any: ``CNT_BLOCK`` a multiple of ``CNT_STEP``, 0 for none); with
+    ``MAP_BM`` > 0 the blocks also write the GEMMs' tile map (:func:`write_tile_map`)."""
     # NB: histogram bins, a power of two > E (keys are 0..E, E = sentinel)
     lane = tl.arange(0, BLOCK)
     total = tl.zeros((NB,), dtype=tl.int32)    # keys of all S slots
@@ -95,7 +128,8 @@ def sort_block(pid, ids_ptr, perm_ptr, offsets_ptr, cnt_ptr, n_cnt, S, E, BLOCK:
             h = tl.histogram(_key(ids_ptr, j, S, E), NB, mask=j < S)
             total += h
             before += tl.where(jb < pid, h, 0)
-    scatter_block(pid, ids_ptr, perm_ptr, offsets_ptr, perm_ptr, total, before, S, E, BLOCK, NB, False)
+    scatter_block(pid, ids_ptr, perm_ptr, offsets_ptr, perm_ptr, total, before, S, E, BLOCK, NB, False, map_ptr,
+                  n_tiles, MAP_BM)
     if pid == 0:
         for c0 in range(0, CNT_BLOCK, CNT_STEP):
             c = c0 + tl.arange(0, CNT_STEP)
@@ -105,16 +139,16 @@ def sort_block(pid, ids_ptr, perm_ptr, offsets_ptr, cnt_ptr, n_cnt, S, E, BLOCK:
 @triton.jit
 def _sort_kernel(ids_ptr, perm_ptr, offsets_ptr, cnt_ptr, n_cnt, S, E, BLOCK: tl.constexpr, NB: tl.constexpr,
                  NUM_BLOCKS: tl.constexpr, CNT_BLOCK: tl.constexpr):
-    sort_block(tl.program_id(0), ids_ptr, perm_ptr, offsets_ptr, cnt_ptr, n_cnt, S, E, BLOCK, NB, NUM_BLOCKS,
-               CNT_BLOCK)
+    sort_block(tl.program_id(0), ids_ptr, perm_ptr, offsets_ptr, cnt_ptr, n_cnt, S, E, offsets_ptr, 0, BLOCK, NB,
+               NUM_BLOCKS, CNT_BLOCK, 0)
 
 
 @triton.jit
-def _sort_quant_kernel(ids_ptr, perm_ptr, offsets_ptr, cnt_ptr, n_cnt, S, E, sort_programs,
+def _sort_quant_kernel(ids_ptr, perm_ptr, offsets_ptr, cnt_ptr, n_cnt, S, E, map_ptr, n_tiles, sort_programs,
                        x_ptr, stride_xm, stride_xk, q_ptr, s_ptr, stride_sm, stride_sk, R, K, groups,
                        BLOCK: tl.constexpr, NB: tl.constexpr, NUM_BLOCKS: tl.constexpr, CNT_BLOCK: tl.constexpr,
-                       TOPK: tl.constexpr, KP: tl.constexpr, STATIC: tl.constexpr, GROUP: tl.constexpr,
-                       BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr):
+                       MAP_BM: tl.constexpr, TOPK: tl.constexpr, KP: tl.constexpr, STATIC: tl.constexpr,
+                       GROUP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr):
     """The sort (programs ``[0, sort_programs)``) and the quantisation of the
     activations (the rest, ``groups`` K groups per row block) in one launch: they are
     independent, and at decode each is a few microseconds of launch latency.  Dynamic:
@@ -123,7 +157,8 @@ def _sort_quant_kernel(ids_ptr, perm_ptr, offsets_ptr, cnt_ptr, n_cnt, S, E, sor
     that)."""
     pid = tl.program_id(0)
     if pid < sort_programs:
-        sort_block(pid, ids_ptr, perm_ptr, offsets_ptr, cnt_ptr, n_cnt, S, E, BLOCK, NB, NUM_BLOCKS, CNT_BLOCK)
+        sort_block(pid, ids_ptr, perm_ptr, offsets_ptr, cnt_ptr, n_cnt, S, E, map_ptr, n_tiles, BLOCK, NB, NUM_BLOCKS,
+                   CNT_BLOCK, MAP_BM)
     else:
         j = pid - sort_programs
         quant_block(j // groups, j % groups, x_ptr, stride_xm, stride_xk, q_ptr, s_ptr, stride_sm, stride_sk, ids_ptr,
@@ -171,7 +206,17 @@ def _sort_scatter_kernel(ids_ptr, hist_ptr, perm_ptr, offsets_ptr, rows_ptr, S, 
     bins = tl.arange(0, NB)
     before = tl.load(hist_ptr + b * NB + bins)
     total = tl.load(hist_ptr + n_blocks * NB + bins)
-    scatter_block(b, ids_ptr, perm_ptr, offsets_ptr, rows_ptr, total, before, S, E, BLOCK, NB, SLOT_ROWS)
+    scatter_block(b, ids_ptr, perm_ptr, offsets_ptr, rows_ptr, total, before, S, E, BLOCK, NB, SLOT_ROWS,
+                  offsets_ptr, 0, 0)
+
+
+def tile_map_size(n_tiles: int, bm: int) -> int:
+    """int32 entries of the tile map of ``n_tiles`` row tiles of ``bm`` rows
+    (:func:`write_tile_map`): a header [the tiles with rows, the rows with an expert, 0,
+    0], then per tile [expert, first row, the expert's end, unused], then per tile its
+    ``bm`` rows' slots.  Entries of tiles (and rows) past the real ones are never
+    written, and never used."""
+    return 4 + n_tiles * (4 + bm)
 
 
 def sort_launch_shape(S: int, E: int) -> tuple[tuple[int], int, int, int]:
