@@ -808,6 +808,16 @@ def test_sort_kernel_matches_torch_sort(S, E, kind):
     assert perm.dtype == torch.int32 and torch.equal(perm.long(), rperm) and torch.equal(offsets, roffsets)
 
 
+def test_decode_sort_runs_in_one_program_of_the_fewest_lanes():
+    # (grid, lanes, bins, blocks each program histograms): up to 128 slots one program
+    # of the next power of two >= S lanes (at least 16), beyond programs of 128
+    assert sort.sort_launch_shape(1, 3) == ((1,), 16, 4, 1)
+    assert sort.sort_launch_shape(8, 256) == ((1,), 16, 512, 1)
+    assert sort.sort_launch_shape(37, 7) == ((1,), 64, 8, 1)
+    assert sort.sort_launch_shape(128, 127) == ((1,), 128, 128, 1)
+    assert sort.sort_launch_shape(129, 5) == ((2,), 128, 8, sort.MAX_SLOTS // 128)
+
+
 def _sort_ids(S, E, kind):
     gen = torch.Generator().manual_seed(S)
     ids = torch.randint(-2, E + 2, (S,), generator=gen)  # incl. sentinels on both sides

@@ -220,8 +220,14 @@ def tile_map_size(n_tiles: int, bm: int) -> int:
 
 
 def sort_launch_shape(S: int, E: int) -> tuple[tuple[int], int, int, int]:
-    """(grid, BLOCK, NB, NUM_BLOCKS) for S slots (S <= MAX_SLOTS)."""
-    return (cdiv(S, BLOCK),), BLOCK, next_power_of_2(E + 1), NUM_BLOCKS
+    """(grid, BLOCK, NB, NUM_BLOCKS) for S slots (S <= MAX_SLOTS).  Up to ``BLOCK``
+    slots (decode) one program of the fewest lanes that hold them (at least 16) sorts
+    them all: its in-block sort network is shorter (16 lanes at T = 1 of a top-8 model,
+    where 128 would sort 120 padding lanes too)."""
+    bins = next_power_of_2(E + 1)
+    if S <= BLOCK:
+        return (1,), max(16, next_power_of_2(S)), bins, 1
+    return (cdiv(S, BLOCK),), BLOCK, bins, NUM_BLOCKS
 
 
 def large_sort_launch_shape(S: int, E: int) -> tuple[int, int, int, int, int]:
