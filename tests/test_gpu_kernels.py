@@ -374,6 +374,26 @@ def test_fused_launches_equal_the_separate_kernels_bitwise(case, combo, monkeypa
     assert torch.equal(kernels.grouped_experts(**cargs), fused)
 
 
+@pytest.mark.parametrize("combo", ["bf16 dynamic silu", "bf16 static silu",
+                                   "bf16 e8m0 static per-tensor gelu_tanh limit"])
+@pytest.mark.parametrize("case", ["T=1", "T<block prime E, H/I not multiples", "expert with no tokens", "block 32",
+                                  "decode, H/I not multiples", "decode, 16 slots, 6 groups of I",
+                                  "decode, 32 slots, activation on its own"])
+def test_gemms_reading_the_sorts_tile_map_equal_the_offsets_scan_bitwise(case, combo, monkeypatch):
+    # up to 2048 slots the GEMMs take their tiles and rows from the sort's tile map; a map
+    # of 8-row tiles (no GEMM's height) leaves them to scan the offsets and load perm
+    T, E, H, I, k, block, routing = EXPERT_CASES[case]
+    dtype, scale_dtype, static, per_tensor, activation, limit = EXPERT_COMBOS[combo]
+    args = make_experts_inputs(T, E, H, I, k, block, dtype, scale_dtype, static, routing, per_tensor, seed=T + E)
+    args.update(activation=activation, swiglu_limit=limit)
+    cargs = {key: _cuda(v) for key, v in args.items()}
+    poison_free_memory()
+    mapped = kernels.grouped_experts(**cargs)
+    monkeypatch.setattr(experts, "_map_bm", lambda *_: 8)
+    poison_free_memory()
+    assert torch.equal(kernels.grouped_experts(**cargs), mapped)
+
+
 # --------------------------------------------------------------------------- CUDA graphs
 
 
