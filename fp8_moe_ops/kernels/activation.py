@@ -92,9 +92,14 @@ def _gated_act_quant_kernel(
 ):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     # rows past offsets[-1] are sentinel slots: nothing downstream reads them
-    expert = expert_of_rows(rows, offsets_ptr, E, SEARCH_STEPS)
-    gated_act_quant(h_ptr, stride_hm, q_ptr, s_ptr, act_scale_ptr, rows, (rows < S) & (expert < E), expert,
-                    tl.program_id(1), I, limit, ACT, HAS_LIMIT, STATIC, GROUP, BLOCK_G, BY_RECIPROCAL=True)
+    if STATIC:  # each row's expert, for its scale: a search of SEARCH_STEPS dependent loads
+        expert = expert_of_rows(rows, offsets_ptr, E, SEARCH_STEPS)
+        rmask = (rows < S) & (expert < E)
+    else:  # only the rows with an expert: one load before the loads of h
+        expert = rows  # (unread)
+        rmask = rows < tl.minimum(tl.load(offsets_ptr + tl.maximum(E - 1, 0), mask=E > 0, other=0), S)
+    gated_act_quant(h_ptr, stride_hm, q_ptr, s_ptr, act_scale_ptr, rows, rmask, expert, tl.program_id(1), I, limit,
+                    ACT, HAS_LIMIT, STATIC, GROUP, BLOCK_G, BY_RECIPROCAL=True)
 
 
 def gated_act_quant_call(h, a_q, a_s, offsets, num_experts: int, bk: int, activation: str, swiglu_limit,
