@@ -488,6 +488,8 @@ def test_experts_split_k_down(case, static, split, rows, monkeypatch):
     padded[..., :dps.shape[2]] = dps
     args[6] = padded[..., :dps.shape[2]]
     assert moe.down_split(args[1].numel(), E, H, I) == split
+    launches = experts.shape_calls(*args[1].shape, E, H, I, tuple(args[7]), static)
+    assert not launches[-1].constexprs["TILE_MAP"]  # a split-K down GEMM scans the offsets
     out = kernels.grouped_experts(*args, **kw)
     assert rel_err(out, reference.grouped_experts(*args, **kw)) < 1e-2
     idx = args[1]

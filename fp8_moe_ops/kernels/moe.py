@@ -158,7 +158,7 @@ def _gemm_call(q, q_scale, w, w_scale, block, out, *, offsets=None, perm=None, g
 
     ``tile_map`` (with ``offsets`` and ``perm``): the sort's map of the row tiles, which
     the launch reads instead of scanning ``offsets`` and loading ``perm`` where its
-    tiles have the map's height.
+    tiles have the map's height and its K is not split.
 
     ``combine`` also combines ``out`` (the slot-order (T*k, N) y of the experts forward,
     contiguous) into ``combine.final`` in the same launch.  ``gated`` also runs the
@@ -197,7 +197,9 @@ def _gemm_call(q, q_scale, w, w_scale, block, out, *, offsets=None, perm=None, g
     k_split = cfg.get("SPLIT", 1)
     BM, BN = cfg["BM"], cfg["BN"]
     num_pid_m = max_row_tiles(S, E, BM, offsets is not None)
-    mapped = tile_map is not None and tile_map.bm == BM and offsets is not None
+    # a split-K launch (mixtral_8x7b's down GEMM at T=1) scans: with the map its static
+    # form ran 3.6 us slower on an H100, its dynamic one no faster (docs/benchmarks.md)
+    mapped = tile_map is not None and tile_map.bm == BM and offsets is not None and k_split == 1
     grid = (num_pid_m * cdiv(N, BN) * (2 if split else 1) * k_split,)
     dummy = out
     options = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
