@@ -198,7 +198,7 @@ def _gemm_call(q, q_scale, w, w_scale, block, out, *, offsets=None, perm=None, g
     BM, BN = cfg["BM"], cfg["BN"]
     num_pid_m = max_row_tiles(S, E, BM, offsets is not None)
     # a split-K launch (mixtral_8x7b's down GEMM at T=1) scans: with the map its static
-    # form ran 3.6 us slower on an H100, its dynamic one no faster (docs/benchmarks.md)
+    # form ran about 3.6 us slower on an H100, its dynamic one no faster (docs/benchmarks.md)
     mapped = tile_map is not None and tile_map.bm == BM and offsets is not None and k_split == 1
     grid = (num_pid_m * cdiv(N, BN) * (2 if split else 1) * k_split,)
     dummy = out
