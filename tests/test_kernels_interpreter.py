@@ -515,6 +515,17 @@ def test_experts_every_slot_a_sentinel(static):
     assert torch.equal(out, torch.zeros_like(out))
 
 
+def _recording_calls(launched: list):
+    """``experts._calls`` patched to also append each forward's launches to ``launched``."""
+    real = experts._calls
+
+    def record(*a, **k):
+        launched.append(real(*a, **k))
+        return launched[-1]
+
+    return mock.patch.object(experts, "_calls", record)
+
+
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
 @pytest.mark.parametrize("kind", ["sentinel", "empty"])
 def test_experts_gate_up_a_quantised_in_sorted_order_equals_gathered_bitwise(static, kind):
@@ -524,15 +535,9 @@ def test_experts_gate_up_a_quantised_in_sorted_order_equals_gathered_bitwise(sta
     # lowered: the three-launch sort's (prefill) path at an interpreter-sized S = 111
     args, kw = _experts_args((37, 7, 64, 48, 3, [16, 16], kind), torch.bfloat16, torch.float32, static, seed=3)
     launched = []
-
-    def spy(*a, **k):
-        launched.append(real_calls(*a, **k))
-        return launched[-1]
-
-    real_calls = experts._calls
     with mock.patch.object(experts, "MAX_SLOTS", 16):
         gathered = kernels.grouped_experts(*args, **kw)
-        with mock.patch.object(experts, "_sorted_a", lambda *_: True), mock.patch.object(experts, "_calls", spy):
+        with mock.patch.object(experts, "_sorted_a", lambda *_: True), _recording_calls(launched):
             in_place = kernels.grouped_experts(*args, **kw)
     hist, scan, scatter, quant, gate_up = launched[0][:5]
     assert hist.kernel.__name__ == "_sort_hist_kernel" and scatter.constexprs["SLOT_ROWS"]
@@ -559,14 +564,8 @@ def test_gemms_reading_the_tile_map_equal_the_offsets_scan_bitwise(case, static)
     # as before: the same rows, so the same bytes, fused launches or not
     args, kw = _experts_args(case, torch.bfloat16, torch.float32, static, seed=6)
     launched = []
-
-    def spy(*a, **k):
-        launched.append(real_calls(*a, **k))
-        return launched[-1]
-
-    real_calls = experts._calls
     for slots in (experts.COMBINE_SLOTS, 0):
-        with mock.patch.object(experts, "COMBINE_SLOTS", slots), mock.patch.object(experts, "_calls", spy):
+        with mock.patch.object(experts, "COMBINE_SLOTS", slots), _recording_calls(launched):
             mapped = kernels.grouped_experts(*args, **kw)
             with mock.patch.object(experts, "_map_bm", lambda *_: 8):
                 scanned = kernels.grouped_experts(*args, **kw)
