@@ -593,6 +593,34 @@ def test_tile_map_entries_past_the_rows_are_never_used(case):
         assert torch.equal(kernels.grouped_experts(*args, **kw), clean)
 
 
+@pytest.mark.parametrize("T,k,E,kind,H", [
+    (1, 1, 1, "uniform", 48),      # T = 1, k = 1 (slots padded to 2 lanes), E = 1
+    (13, 3, 7, "uniform", 100),    # prime E, k padded to 4, H not a power of two
+    (9, 2, 5, "empty", 64),        # experts without tokens
+    (6, 2, 3, "one", 40),          # both slots of a token on one expert: ties by slot
+    (12, 3, 5, "sentinel", 48),    # ids outside [0, E) on both sides; token 0 with none valid
+    (5, 6, 4, "uniform", 32),      # k > E: the extra slots are sentinels, k padded to 8
+    (3, 8, 11, "uniform", 2100),   # k = 8; two column blocks, the second partial
+])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_combine_kernel_is_the_reference_combine_bitwise(T, k, E, kind, H, dtype):
+    from fp8_moe_ops.kernels.combine import combine
+    gen = torch.Generator().manual_seed(T * 31 + k)
+    idx, w = make_routing(T, k, E, kind, gen=gen)
+    w[:, ::2] *= -1  # negative weights: products of -0.0 and 0.0 both occur
+    y = torch.randn(T * k, H, generator=gen)
+    y[:, ::5] = 0.0
+    y[:, 1::5] = -0.0
+    y[0, 2] = float("inf")  # an infinite output where token 0 has a valid slot on it
+    valid = ((idx >= 0) & (idx < E)).reshape(-1)
+    y[~valid] = float("nan")  # rows of sentinel slots must never be read
+    y = y.to(dtype)
+    out = combine(y, idx, w, E, torch.empty(T, H, dtype=dtype))
+    expected = reference.combine(y, idx, w, E, dtype)
+    assert torch.equal(out.view(torch.uint8), expected.view(torch.uint8))  # signed zeros included
+    assert not out.isnan().any()
+
+
 def test_experts_empty_tokens():
     args, _ = _experts_args("T1", torch.bfloat16, torch.float32, static=False)
     args[0], args[1], args[2] = args[0][:0], args[1][:0], args[2][:0]

@@ -20,24 +20,32 @@ from .quant import round_to
 
 
 @triton.jit
+def slot_ranks(t, tm, ids_ptr, E, TOPK: tl.constexpr, KP: tl.constexpr):
+    """(j, valid, rank), each (tokens, KP): tokens ``t`` (where ``tm``) and their slots
+    ``j`` (``KP`` lanes, ``TOPK`` of them real), whether a slot's expert id is in [0, E),
+    and its stable rank by (id, slot), sentinels last: the reference's argsort(stable=True)."""
+    j = tl.arange(0, KP)
+    jm = j < TOPK
+    ids = tl.load(ids_ptr + t[:, None] * TOPK + j[None, :], mask=tm[:, None] & jm[None, :], other=E)
+    valid = (ids >= 0) & (ids < E) & jm[None, :]
+    key = tl.where(valid, ids, E)
+    kj, ki = key[:, None, :], key[:, :, None]
+    before = (kj < ki) | ((kj == ki) & (j[None, None, :] < j[None, :, None]))
+    return j, valid, tl.sum(before.to(tl.int32), axis=2)
+
+
+@triton.jit
 def combine_tokens(t0, T, cols, cmask, y_ptr, part_ptr, ids_ptr, w_ptr, out_ptr, H, E, TOPK: tl.constexpr,
                    KP: tl.constexpr, TB: tl.constexpr, SPLIT: tl.constexpr):
     """out[t, cols] for the tokens t0 .. t0+TB-1 below T: each token's slots' rows of y
     (T*k, H), weighted and summed in ascending expert id (ties by slot).  With SPLIT > 1
     a slot's y is its SPLIT float32 partials (T*k, SPLIT, H) added in order and rounded
     to out's dtype.  Read past L1 (``.cg``): in the down GEMM's fused combine other
-    programs wrote them in this launch."""
+    programs wrote them in this launch.  One slot's loads at a time (a GEMM program's
+    registers); :func:`_combine_kernel` loads a token's slots at once."""
     t = tl.arange(0, TB).to(tl.int64) + t0
     tm = t < T
-    j = tl.arange(0, KP)
-    jm = j < TOPK
-    ids = tl.load(ids_ptr + t[:, None] * TOPK + j[None, :], mask=tm[:, None] & jm[None, :], other=E)
-    valid = (ids >= 0) & (ids < E) & jm[None, :]
-    key = tl.where(valid, ids, E)
-    # stable rank of each slot by (key, slot): the reference's argsort(stable=True)
-    kj, ki = key[:, None, :], key[:, :, None]
-    before = (kj < ki) | ((kj == ki) & (j[None, None, :] < j[None, :, None]))
-    rank = tl.sum(before.to(tl.int32), axis=2)
+    j, valid, rank = slot_ranks(t, tm, ids_ptr, E, TOPK, KP)
     acc = tl.zeros((TB, cols.shape[0]), dtype=tl.float32)
     for r in tl.static_range(TOPK):
         sel = rank == r
@@ -68,8 +76,29 @@ def _combine_kernel(
     T, H, E,
     TOPK: tl.constexpr, KP: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
+    """out[t, cols] of one token t and BLOCK_H columns, as :func:`combine_tokens` sums
+    them; its slots' rows loaded in one (KP, BLOCK_H) load, all in flight at once (one
+    at a time, as that function's loop compiles, a few programs per SM left the memory
+    idle between them at 512-2048 tokens: docs/benchmarks.md)."""
+    tok = tl.program_id(0).to(tl.int64)
+    t = tok + tl.arange(0, 1)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    combine_tokens(tl.program_id(0), T, cols, cols < H, y_ptr, y_ptr, ids_ptr, w_ptr, out_ptr, H, E, TOPK, KP, 1, 1)
+    cmask = cols < H
+    j, valid, rank = slot_ranks(t, t < T, ids_ptr, E, TOPK, KP)
+    # the token's slots in rank order (KP,): slot[r], and whether it has an expert
+    sel = rank[:, None, :] == j[None, :, None]  # (1, rank r, slot j)
+    slot = tl.sum(tl.sum(tl.where(sel, j[None, None, :], 0), 2), 0)
+    ok = tl.sum(tl.sum(tl.where(sel & valid[:, None, :], 1, 0), 2), 0) > 0
+    row = tok * TOPK + slot
+    wt = tl.load(w_ptr + row, mask=ok, other=0.0).to(tl.float32)
+    y = tl.load(y_ptr + row[:, None] * H + cols[None, :], mask=ok[:, None] & cmask[None, :], other=0.0)
+    terms = y.to(tl.float32) * wt[:, None]  # rank r's in row r; 0.0 past the token's real slots
+    acc = tl.zeros((BLOCK_H, ), dtype=tl.float32)
+    for r in tl.static_range(TOPK):
+        # row r alone: the other rows' -0.0 add nothing, whatever row r holds (a lane's KP rows
+        # are its own registers, so this compiles to picking one)
+        acc += tl.sum(tl.where(j[:, None] == r, terms, -0.0), 0)
+    tl.store(out_ptr + tok * H + cols, round_to(acc, out_ptr.dtype.element_ty), mask=cmask)
 
 
 def slots_block(topk: int) -> int:
