@@ -1,8 +1,8 @@
 """Prefill layers with and without the Hopper GEMM kernel (``fp8_moe_ops/kernels/ws_gemm.py``).
 
     PYTHONPATH=. python bench/ws_gemm_ab.py --out-dir OUT [--cases "deepseek_v3:4096,8192;..."]
-        [--ways triton,ws,ws_tiles,ws_down_only,ws_mid,ws_col,ws_nolag,ws_narrow,ws_store_mma,ws_store_rows,
-                ws_sorted_all,shipped]
+        [--ways triton,ws,ws_tiles,ws_down_only,ws_mid,ws_col,ws_nolag,ws_narrow,ws_wide_any_k,ws_store_mma,
+                ws_store_rows,ws_sorted_all,shipped]
 
 For every case (model, T, dynamic / static activation scales, uniform routing) one
 process times the ``grouped_experts`` forward several ways, on the same inputs:
@@ -23,6 +23,8 @@ process times the ``grouped_experts`` forward several ways, on the same inputs:
   warpgroup waits for a K step's MMAs before it issues the next step's);
 * ``ws_narrow``: as ``shipped`` with the Gluon kernel's ``WIDE`` off (output tiles of
   128 x 128 everywhere, not 128 x 256 where N is a multiple of 256);
+* ``ws_wide_any_k``: as ``shipped`` with 128 x 256 output tiles at every K where N allows
+  (``WIDE_MAX_K`` lifted), not only up to K = 2048;
 * ``ws_store_mma`` / ``ws_store_rows``: as ``shipped`` with the Gluon kernel's output
   stored from the MMA layout (``EPILOGUE`` 0: 4 bytes of a row per store, its form
   before the TMA store) / as whole rows through shared memory everywhere (1: no TMA);
@@ -61,9 +63,9 @@ from fp8_moe_ops.kernels import config, experts, ws_gemm
 
 CASES = {"deepseek_v3": [4096, 8192, 16384], "qwen3_30b_a3b": [4096, 8192, 16384],
          "mixtral_8x7b": [2048, 4096, 16384]}
-WAYS = ("triton", "ws", "ws_tiles", "ws_down_only", "ws_mid", "ws_col", "ws_nolag", "ws_narrow", "ws_store_mma",
-        "ws_store_rows", "ws_sorted_all", "shipped")
-SHIPPED_LIKE = ("shipped", "ws_nolag", "ws_narrow", "ws_store_mma", "ws_store_rows",
+WAYS = ("triton", "ws", "ws_tiles", "ws_down_only", "ws_mid", "ws_col", "ws_nolag", "ws_narrow", "ws_wide_any_k",
+        "ws_store_mma", "ws_store_rows", "ws_sorted_all", "shipped")
+SHIPPED_LIKE = ("shipped", "ws_nolag", "ws_narrow", "ws_wide_any_k", "ws_store_mma", "ws_store_rows",
                 "ws_sorted_all")  # the launch table decides
 
 
@@ -86,6 +88,8 @@ def _way(way: str):
             patch(ws_gemm, "LAG", False)
         if way == "ws_narrow":
             patch(ws_gemm, "WIDE", False)
+        if way == "ws_wide_any_k":
+            patch(ws_gemm, "WIDE_MAX_K", 1 << 30)
         if way in ("ws_store_mma", "ws_store_rows"):
             patch(ws_gemm, "EPILOGUE", 0 if way == "ws_store_mma" else 1)
         if way == "ws_sorted_all":

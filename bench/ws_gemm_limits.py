@@ -124,15 +124,27 @@ _EDITS = {
         ("as_row = as_ptr + rows.to(gl.int64) * stride_as",
          "as_row = as_ptr + (rows * 0 + row0).to(gl.int64) * stride_as"),
     ],
+    "wide4_tma": [  # one staging buffer per consumer warpgroup: its two column blocks stored in turn; the
+        # halves TMA cannot store, from the MMA layout (no conversion's scratch beside the ring)
+        ("[2 * WN] + out_desc.block_type.shape", "[2] + out_desc.block_type.shape"),
+        ("_store_rows(vals, out_ptr, stride_om, orow, rmask, n0, N, EPILOGUE)",
+         "_store_rows(vals, out_ptr, stride_om, orow, rmask, n0, N, 0)"),
+        ("N, HALF, HALF * WN, True,", "N, HALF, HALF, True,"),
+        ("N, HALF, HALF * WN + 1, False,", "N, HALF, HALF, True,"),
+    ],
     "no_store": [
         ("if (first + HM <= row1) | (row1 == S):", "if row0 < 0:"),
         ("mask=m[:, None] & (cols < N)[None, :])", "mask=m[:, None] & (cols < N)[None, :] & (n0 < 0))"),
     ],
 }
 STORES = {"store_mma": 0, "store_rows": 1}  # variants of ws_gemm.EPILOGUE
-EXACT = (*STORES, "narrow", "kmajor")  # variants of the launch alone: the shipped kernel, its product
+# variants with output tiles of 128 x 256 at every K (ws_gemm.WIDE_MAX_K lifted): (their
+# ring's slots, ws_gemm.EPILOGUE); four slots of 48 KB leave room for one staging buffer
+# per consumer warpgroup (wide4_tma's edit) or none (0: stored from the MMA layout)
+WIDE_ANY_K = {"wide": (None, None), "wide4_mma": (4, 0), "wide4_tma": (4, 2)}
+EXACT = (*STORES, "narrow", "kmajor", *WIDE_ANY_K)  # variants of the launch alone: the shipped kernel, its product
 SCALES = ("static", "one_scale_row")  # variants of the activation scales, with tiles as shipped
-UNEDITED = ("shipped", "static", *EXACT)  # variants that run the shipped kernel's source
+UNEDITED = ("shipped", "static", *(v for v in EXACT if v not in _EDITS))  # variants that run the shipped source
 VARIANTS = ("shipped", *EXACT, "no_rescale", "no_loads", "no_rescale+no_loads", "no_store", *SCALES)
 ROUTINGS = ("even", "uniform")
 
@@ -180,10 +192,15 @@ def run_shape(runner: Runner, model, T: int, proj: str, N: int, K: int, variants
     out = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
 
     def make_call(variant):
-        real, real_wide = ws_gemm.EPILOGUE, ws_gemm.WIDE
-        ws_gemm.EPILOGUE = STORES.get(variant, real)
+        real = ws_gemm.EPILOGUE, ws_gemm.WIDE, ws_gemm.WIDE_MAX_K, ws_gemm.WIDE_STAGES
+        ws_gemm.EPILOGUE = STORES.get(variant, real[0])
         # the K-loop edits are to the narrow K loop; the scale variants' edit is to both
-        ws_gemm.WIDE = real_wide and variant in ("shipped", *STORES, "kmajor", *SCALES)
+        ws_gemm.WIDE = real[1] and variant in ("shipped", *STORES, "kmajor", *SCALES, *WIDE_ANY_K)
+        if variant in WIDE_ANY_K:
+            stages, epilogue = WIDE_ANY_K[variant]
+            ws_gemm.WIDE_MAX_K = K
+            ws_gemm.WIDE_STAGES = stages or real[3]
+            ws_gemm.EPILOGUE = real[0] if epilogue is None else epilogue
         static = variant == "static"
         try:
             scales = sa_expert if static else sa_kmajor if variant == "kmajor" else sa
@@ -192,7 +209,7 @@ def run_shape(runner: Runner, model, T: int, proj: str, N: int, K: int, variants
                                         num_pid_m=-(-M // 128) + model.E, group_m=8,
                                         max_programs=ws_gemm.programs(out.device))
         finally:
-            ws_gemm.EPILOGUE, ws_gemm.WIDE = real, real_wide
+            ws_gemm.EPILOGUE, ws_gemm.WIDE, ws_gemm.WIDE_MAX_K, ws_gemm.WIDE_STAGES = real
 
     def config(variant):
         return ExperimentConfig("ws_gemm_limits", model.name, T, variant, params=params)
