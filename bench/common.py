@@ -15,7 +15,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import statistics
+import subprocess
 import sys
 import time
 import traceback
@@ -271,6 +273,65 @@ def time_ms(fn: Callable[[], Any], rep_ms: int = 200, warmup_ms: int = 50) -> fl
     import triton.testing
 
     return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+
+
+# nvidia-smi's throttle-reason bits that lower the SM clock under load: software power cap
+# (0x4), hardware slowdown (0x8), software and hardware thermal slowdown (0x20, 0x40),
+# hardware power brake (0x80)
+CAPPING_REASONS = 0x4 | 0x8 | 0x20 | 0x40 | 0x80
+
+
+def smi_summary(text: str) -> dict:
+    """The summary of ``nvidia-smi --query-gpu=clocks.sm,power.draw,clocks_throttle_reasons.active
+    --format=csv,noheader,nounits`` samples (one line each; lines it cannot read are
+    skipped): their count, the median and lowest SM clock (MHz), the highest power draw
+    (W), and the fraction of samples held down by a power or thermal limit
+    (:data:`CAPPING_REASONS`); {} without a sample."""
+    samples = []
+    for line in text.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        try:
+            samples.append((float(parts[0]), float(parts[1]), int(parts[2], 16)))
+        except (IndexError, ValueError):
+            continue
+    if not samples:
+        return {}
+    mhz = [m for m, _, _ in samples]
+    return {"samples": len(samples), "sm_mhz_median": statistics.median(mhz), "sm_mhz_min": min(mhz),
+            "power_w_max": max(w for _, w, _ in samples),
+            "capped": sum(1 for *_, r in samples if r & CAPPING_REASONS) / len(samples)}
+
+
+class GpuClocks:
+    """Samples the current GPU's SM clock, power draw and throttle reasons with
+    ``nvidia-smi`` every ``interval_ms`` while the block runs (the block starts once the
+    first sample is in, which is left out); ``summary`` then holds :func:`smi_summary` of
+    them ({} where ``nvidia-smi`` is missing).  A GPU at its power limit runs its kernels
+    at a lower clock: a timing next to its clocks says whether two ways ran on the same
+    GPU."""
+
+    def __init__(self, interval_ms: int = 50):
+        self.interval_ms = interval_ms
+        self.summary: dict = {}
+        self._proc = None
+
+    def __enter__(self) -> GpuClocks:
+        smi = shutil.which("nvidia-smi")
+        if smi is not None:
+            uuid = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "uuid", None)
+            select = ["-i", f"GPU-{uuid}"] if uuid is not None else []
+            self._proc = subprocess.Popen(
+                [smi, *select, "--query-gpu=clocks.sm,power.draw,clocks_throttle_reasons.active",
+                 "--format=csv,noheader,nounits", "-lms", str(self.interval_ms)],
+                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+            self._proc.stdout.readline()  # sampling has started (this sample precedes the block)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._proc is not None:
+            self._proc.terminate()
+            out, _ = self._proc.communicate()
+            self.summary = smi_summary(out)
 
 
 def capture_graph(fn: Callable[[], Any]) -> torch.cuda.CUDAGraph:

@@ -1,8 +1,8 @@
 """Prefill layers with and without the Hopper GEMM kernel (``fp8_moe_ops/kernels/ws_gemm.py``).
 
     PYTHONPATH=. python bench/ws_gemm_ab.py --out-dir OUT [--cases "deepseek_v3:4096,8192;..."]
-        [--ways triton,ws,ws_tiles,ws_down_only,ws_mid,ws_col,ws_nolag,ws_narrow,ws_wide_any_k,ws_store_mma,
-                ws_store_rows,ws_sorted_all,shipped]
+        [--ways triton,ws,ws_tiles,ws_down_only,ws_mid,ws_col,ws_nolag,ws_narrow,ws_wide_any_k,ws_wide_k2048,
+                ws_store_mma,ws_store_rows,ws_sorted_all,shipped]
 
 For every case (model, T, dynamic / static activation scales, uniform routing) one
 process times the ``grouped_experts`` forward several ways, on the same inputs:
@@ -23,8 +23,9 @@ process times the ``grouped_experts`` forward several ways, on the same inputs:
   warpgroup waits for a K step's MMAs before it issues the next step's);
 * ``ws_narrow``: as ``shipped`` with the Gluon kernel's ``WIDE`` off (output tiles of
   128 x 128 everywhere, not 128 x 256 where N is a multiple of 256);
-* ``ws_wide_any_k``: as ``shipped`` with 128 x 256 output tiles at every K where N allows
-  (``WIDE_MAX_K`` lifted), not only up to K = 2048;
+* ``ws_wide_any_k`` / ``ws_wide_k2048``: as ``shipped`` with 128 x 256 output tiles where N
+  allows at every K and any rows per expert (``WIDE_MAX_K`` lifted) / only up to K = 2048
+  (``WIDE_LONG_MAX_K`` 2048: the limit before the forty-fourth session);
 * ``ws_store_mma`` / ``ws_store_rows``: as ``shipped`` with the Gluon kernel's output
   stored from the MMA layout (``EPILOGUE`` 0: 4 bytes of a row per store, its form
   before the TMA store) / as whole rows through shared memory everywhere (1: no TMA);
@@ -40,8 +41,11 @@ way's plan).  Per way, measured twice (the ways in order, then in reverse: a dri
 clocks over the case falls on every way alike) and averaged: the layer's median time (CUDA
 events, back-to-back calls), and from the profiler the device time of the gate_up
 GEMM, the down GEMM (the kernels whose name holds ``gemm``, in launch order) and the
-quantisation kernels (``quant``: the activations' and the gated activation's).  Every
-way's output must equal the first way's bitwise.  Writes
+quantisation kernels (``quant``: the activations' and the gated activation's); beside
+the layer's time, the GPU's median SM clock while it was timed and the fraction of that
+time a power or thermal limit held the clock down (``common.GpuClocks``; where
+``nvidia-smi`` runs: an H100 at its 700 W cap ran the prefill layers at 1.1-2.0 GHz,
+docs/benchmarks.md).  Every way's output must equal the first way's bitwise.  Writes
 ``OUT/ws_gemm_ab.json`` / ``.md``; exits 1 if a case failed or differed.
 """
 
@@ -57,16 +61,16 @@ from unittest import mock
 
 import torch
 
-from common import (BLOCK, MODELS, ExperimentConfig, Runner, cuda_events, each_scheme_case, layer_flops, log,
-                    markdown_table, parse_sweep, time_ms)
+from common import (BLOCK, MODELS, ExperimentConfig, GpuClocks, Runner, cuda_events, each_scheme_case, layer_flops,
+                    log, markdown_table, parse_sweep, time_ms)
 from fp8_moe_ops.kernels import config, experts, ws_gemm
 
 CASES = {"deepseek_v3": [4096, 8192, 16384], "qwen3_30b_a3b": [4096, 8192, 16384],
          "mixtral_8x7b": [2048, 4096, 16384]}
 WAYS = ("triton", "ws", "ws_tiles", "ws_down_only", "ws_mid", "ws_col", "ws_nolag", "ws_narrow", "ws_wide_any_k",
-        "ws_store_mma", "ws_store_rows", "ws_sorted_all", "shipped")
-SHIPPED_LIKE = ("shipped", "ws_nolag", "ws_narrow", "ws_wide_any_k", "ws_store_mma", "ws_store_rows",
-                "ws_sorted_all")  # the launch table decides
+        "ws_wide_k2048", "ws_store_mma", "ws_store_rows", "ws_sorted_all", "shipped")
+SHIPPED_LIKE = ("shipped", "ws_nolag", "ws_narrow", "ws_wide_any_k", "ws_wide_k2048", "ws_store_mma",
+                "ws_store_rows", "ws_sorted_all")  # the launch table decides
 
 
 @contextlib.contextmanager
@@ -90,6 +94,8 @@ def _way(way: str):
             patch(ws_gemm, "WIDE", False)
         if way == "ws_wide_any_k":
             patch(ws_gemm, "WIDE_MAX_K", 1 << 30)
+        if way == "ws_wide_k2048":
+            patch(ws_gemm, "WIDE_LONG_MAX_K", 2048)
         if way in ("ws_store_mma", "ws_store_rows"):
             patch(ws_gemm, "EPILOGUE", 0 if way == "ws_store_mma" else 1)
         if way == "ws_sorted_all":
@@ -134,10 +140,14 @@ def measure(weights, inputs, scales, flops: int, ways) -> dict:
         with _way(way):
             if way not in outs:
                 outs[way] = fn()
-            samples[way].append({"ms": time_ms(fn), **kernel_ms(fn)})
+            with GpuClocks() as clocks:
+                ms = time_ms(fn)
+            clock = {f"clock_{key}": clocks.summary[key] for key in ("sm_mhz_median", "capped") if clocks.summary}
+            samples[way].append({"ms": ms, **clock, **kernel_ms(fn)})
     res = {}
     for way, runs in samples.items():
-        res.update({f"{way}_{key}": statistics.mean(r[key] for r in runs) for key in runs[0]})
+        keys = set.intersection(*(set(r) for r in runs))  # the clocks only where nvidia-smi sampled both runs
+        res.update({f"{way}_{key}": statistics.mean(r[key] for r in runs) for key in sorted(keys)})
         res[f"{way}_gemm_tflops"] = flops / (res[f"{way}_gate_up_ms"] + res[f"{way}_down_ms"]) / 1e9
     differ = [way for way in ways if not torch.equal(outs[way], outs[ways[0]])]
     if differ:
@@ -167,6 +177,8 @@ def main() -> int:
     cols += [(f"{w} ms", f"{w}_ms", ".3f") for w in ways]
     cols += [(f"{w} {part}", f"{w}_{part}_ms", ".3f") for w in ways for part in ("gate_up", "down", "quant")]
     cols += [(f"{w} speedup", f"{w}_speedup", ".3f") for w in ways[1:]]
+    cols += [(f"{w} {name}", f"{w}_clock_{key}", fmt) for w in ways
+             for name, key, fmt in (("SM MHz", "sm_mhz_median", ".0f"), ("capped", "capped", ".2f"))]
     cols += [("error", "error", "")]
     text = markdown_table([r.flat() for r in runner.results], cols)
     runner.save(text)

@@ -124,6 +124,24 @@ def test_floor_is_the_larger_term(common):
     assert common.floor_ms(flops, nbytes) == pytest.approx(flops / 1357e12 * 1e3)
 
 
+def test_smi_summary_reads_clocks_power_and_capping(common):
+    text = ("1980, 650.10, 0x0000000000000000\n"
+            "1410, 702.50, 0x0000000000000004\n"  # the software power cap
+            "[N/A], 12.0, 0x1\n"                   # unreadable: skipped
+            "1830, 690.00, 0x0000000000000001\n")  # idle only: not capping
+    summary = common.smi_summary(text)
+    assert summary == {"samples": 3, "sm_mhz_median": 1830.0, "sm_mhz_min": 1410.0, "power_w_max": 702.5,
+                       "capped": 1 / 3}
+    assert common.smi_summary("") == {}
+
+
+def test_gpu_clocks_without_nvidia_smi_is_empty(common, monkeypatch):
+    monkeypatch.setattr(common.shutil, "which", lambda name: None)
+    with common.GpuClocks() as clocks:
+        pass
+    assert clocks.summary == {}
+
+
 def test_parse_sweep(common):
     assert common.parse_sweep("qwen3_30b_a3b:1,8;mixtral_8x7b:64") == {"qwen3_30b_a3b": [1, 8], "mixtral_8x7b": [64]}
     with pytest.raises(ValueError, match="llama"):
