@@ -201,7 +201,12 @@ def test_wide_tiles_where_n_is_a_multiple_of_256_and_the_output_2_bytes(monkeypa
     for narrow in (_gemm_call(monkeypatch, N=640),  # 640 = 2.5 x 256
                    _gemm_call(monkeypatch, N=512, out=torch.empty(4096, 512, dtype=torch.float32))):
         assert narrow.constexprs["WN"] == 1 and narrow.args[3].block_shape == [128, 128]
-    assert _gemm_call(monkeypatch, N=512, K=ws_gemm.WIDE_MAX_K + 128).constexprs["WN"] == 1  # long K: narrow
+    # a long K (deepseek_v3's gate_up) only from WIDE_LONG_MIN_ROWS rows per expert; longer K never
+    assert ws_gemm.WIDE_MAX_K < 7168 <= ws_gemm.WIDE_LONG_MAX_K and ws_gemm.WIDE_LONG_MIN_ROWS == 128
+    assert _gemm_call(monkeypatch, S=2048, E=16, K=7168).constexprs["WN"] == 2  # 128 rows per expert
+    assert _gemm_call(monkeypatch, S=2032, E=16, K=7168).constexprs["WN"] == 1  # 127
+    assert _gemm_call(monkeypatch, S=2032, E=16, K=ws_gemm.WIDE_MAX_K).constexprs["WN"] == 2
+    assert _gemm_call(monkeypatch, K=ws_gemm.WIDE_LONG_MAX_K + 128).constexprs["WN"] == 1
     monkeypatch.setattr(ws_gemm, "WIDE", False)  # the A/B switch
     assert _gemm_call(monkeypatch, N=512).constexprs["WN"] == 1
 

@@ -10,7 +10,8 @@ Gluon (Triton's lower-level dialect, ``triton.experimental.gluon``, in the same 
 
 - a producer warp streams each K step's A (128 x 128) and weight (128 x 128) tiles
   with TMA into a ring of ``STAGES`` shared-memory slots (``ready`` mbarriers);
-- where N is a multiple of 256 and K at most ``WIDE_MAX_K``, the weight tile is
+- where N is a multiple of 256 and K at most ``WIDE_MAX_K`` (or ``WIDE_LONG_MAX_K`` from
+  ``WIDE_LONG_MIN_ROWS`` rows per expert), the weight tile is
   256 x 128 (output tiles of 128 x 256: each A tile feeds two MMAs, half the A bytes per
   FLOP), in a ring of ``WIDE_STAGES`` slots, without ``LAG`` (registers);
 - two consumer warpgroups take 64 rows of the tile each, so one warpgroup's FMAs can
@@ -89,10 +90,16 @@ PRODUCER_REGS = 40  # registers per producer thread (its tile map of up to 256 e
 LAG = True  # consumers take two K steps at a time (measured faster: docs/benchmarks.md)
 # tiles of 128 x 256 output columns (two MMAs per A tile and K step, one in flight at a
 # time per warpgroup, so without LAG; a ring of WIDE_STAGES slots) where N is a multiple
-# of 256 and K at most WIDE_MAX_K: measured faster there, slower at K = 7168 and 14336
-# (docs/benchmarks.md)
+# of 256 and K at most WIDE_MAX_K, or at most WIDE_LONG_MAX_K where the experts average
+# WIDE_LONG_MIN_ROWS rows or more.  On the H200 they were faster at K = 768 and 2048 and,
+# the GEMM alone, slower at 7168 and 14336; on a power-capped H100, layers at K = 7168
+# (deepseek_v3) from 128 rows per expert were 1-6 % faster, at 64 rows 5 % slower, and
+# at K = 4096 (mixtral_8x7b) up to 7 % faster dynamic, -2 to +2 % static; K = 14336 gained
+# nothing (docs/benchmarks.md)
 WIDE = True
 WIDE_MAX_K = 2048
+WIDE_LONG_MAX_K = 7168
+WIDE_LONG_MIN_ROWS = 128
 WIDE_STAGES = 3  # 48 KB per slot; with the staging buffers of the output, 208 KB
 # the output store (gluon_gemm._store_tile): 0 from the MMA layout, 1 whole rows through
 # shared memory, 2 TMA where a tile's rows are its own and in place, else as 1
@@ -176,7 +183,8 @@ def ws_gemm_call(q, q_scale, w, ws, ws_strides, block, out, *, offsets, perm, sc
     S = out.shape[0]
     # a wide tile only where its second block of columns is never past N, and its output
     # staging (2 bytes an element) fits beside the ring
-    wn = 2 if WIDE and K <= WIDE_MAX_K and N % (2 * TILE) == 0 and out.element_size() <= 2 else 1
+    long_k = K <= WIDE_LONG_MAX_K and S >= WIDE_LONG_MIN_ROWS * E
+    wn = 2 if WIDE and (K <= WIDE_MAX_K or long_k) and N % (2 * TILE) == 0 and out.element_size() <= 2 else 1
     tile = [TILE, TILE]
     w_tile = [wn * TILE, TILE]
     a_desc = TensorDescriptor.from_tensor(q, tile, shared_layout(tile))
