@@ -41,8 +41,8 @@ def combine_tokens(t0, T, cols, cmask, y_ptr, part_ptr, ids_ptr, w_ptr, out_ptr,
     (T*k, H), weighted and summed in ascending expert id (ties by slot).  With SPLIT > 1
     a slot's y is its SPLIT float32 partials (T*k, SPLIT, H) added in order and rounded
     to out's dtype.  Read past L1 (``.cg``): in the down GEMM's fused combine other
-    programs wrote them in this launch.  One slot's loads at a time (a GEMM program's
-    registers); :func:`_combine_kernel` loads a token's slots at once."""
+    programs wrote them in this launch.  A slot at a time, in a GEMM program's registers;
+    :func:`_combine_kernel` loads a token's slots at once."""
     t = tl.arange(0, TB).to(tl.int64) + t0
     tm = t < T
     j, valid, rank = slot_ranks(t, tm, ids_ptr, E, TOPK, KP)
@@ -77,9 +77,9 @@ def _combine_kernel(
     TOPK: tl.constexpr, KP: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     """out[t, cols] of one token t and BLOCK_H columns, as :func:`combine_tokens` sums
-    them; its slots' rows loaded in one (KP, BLOCK_H) load, all in flight at once (one
-    at a time, as that function's loop compiles, a few programs per SM left the memory
-    idle between them at 512-2048 tokens: docs/benchmarks.md)."""
+    them; its slots' rows loaded in one (KP, BLOCK_H) load, all in flight at once.  (That
+    function's loop compiles to one or two slots' loads at a time, which left the memory
+    idle at 512-2048 tokens, where an SM holds few programs: docs/benchmarks.md.)"""
     tok = tl.program_id(0).to(tl.int64)
     t = tok + tl.arange(0, 1)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
