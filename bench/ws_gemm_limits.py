@@ -3,7 +3,7 @@ each leave one part of the work out.
 
     PYTHONPATH=. python bench/ws_gemm_limits.py --out-dir OUT [--cases "deepseek_v3:8192;qwen3_30b_a3b:16384"]
         [--variants shipped,store_mma,store_rows,narrow,no_rescale,no_loads,no_rescale+no_loads,no_store,static,
-                    kmajor,one_scale_row]
+                    kmajor,one_scale_row,wide,wide4_tma,wide4_mma]
         [--routing even|uniform]
     python bench/ws_gemm_limits.py --plot OUT/ws_gemm_limits.json --png FIGURE.png   # no GPU; needs matplotlib
 
@@ -48,8 +48,15 @@ tiles where that is a multiple of 128), or as the layer benchmarks route them
 (``uniform``: the per-expert counts of ``common.make_routing``, so experts' last tiles
 are partly empty, as in a layer).
 
-Only ``shipped``, the two stores, ``narrow`` and ``kmajor`` compute the product (``static`` computes one with other
-scales); the other variants' outputs are meaningless by design
+Three variants with output tiles of 128 x 256 at every K and row count (``WIDE_ANY_K``):
+
+* ``wide``: the shipped wide form (a ring of three 48 KB slots, four TMA staging buffers);
+* ``wide4_tma``: a ring of four slots, one staging buffer per consumer warpgroup (its two
+  column blocks stored in turn), the halves TMA cannot store written from the MMA layout;
+* ``wide4_mma``: a ring of four slots, every store from the MMA layout.
+
+Only ``shipped``, the two stores, ``narrow``, ``kmajor`` and the wide variants compute the product (``static``
+computes one with other scales); the other variants' outputs are meaningless by design
 (the GPU tests check the shipped kernel against the reference).  Beside them, in the
 same run, the dense cuBLAS rates at the same M, N, K (``gemm_ceiling.py``'s block-scaled
 and tensorwise calls).  Times are medians of back-to-back launches
@@ -248,8 +255,8 @@ def table(runner: Runner, variants) -> str:
                ("cuBLAS dense block-scaled", "dense_blockwise", ".0f"),
                ("cuBLAS dense tensorwise", "dense_tensorwise", ".0f")]
     columns += [(v, v, ".0f") for v in variants]
-    return "TFLOP/s (2 M N K / time; only `shipped`, the two stores and `narrow` compute the product)\n\n" + markdown_table(list(rows.values()),
-                                                                                              columns)
+    note = "only `shipped`, `narrow`, the two stores, `kmajor` and the wide variants compute the product"
+    return f"TFLOP/s (2 M N K / time; {note})\n\n" + markdown_table(list(rows.values()), columns)
 
 
 def plot(path: str, png: str) -> None:

@@ -39,7 +39,8 @@ GEMM_CASES = {  # S, E, N, K, block
     # two K steps: one trip of the two-step loop and no odd last step; wide tiles, two single steps
     "two K steps": (3000, 3, 384, 240, [128, 128]),
     "two K steps, wide tiles": (3000, 3, 512, 208, [128, 128]),
-    # wide tiles over a long K (up to ws_gemm.WIDE_MAX_K): 33 K steps, their ring wrapping many times
+    # wide tiles over a long K (past WIDE_MAX_K, within WIDE_LONG_MAX_K at 733 rows per expert;
+    # tests/test_ws_gemm.py checks the choice): 33 K steps, the ring wrapping many times
     "wide tiles, long K": (2200, 3, 512, 4160, [128, 128]),
 }
 SCALES = {"f32": (torch.float32, False), "e8m0": (E8M0, False), "per-tensor": (torch.float32, True)}

@@ -601,6 +601,7 @@ def test_tile_map_entries_past_the_rows_are_never_used(case):
     (12, 3, 5, "sentinel", 48),    # ids outside [0, E) on both sides; token 0 with none valid
     (5, 6, 4, "uniform", 32),      # k > E: the extra slots are sentinels, k padded to 8
     (3, 8, 11, "uniform", 2100),   # k = 8; two column blocks, the second partial
+    (2, 16, 21, "sentinel", 1100), # k = 16: blocks of 1024 columns, the second partial
 ])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_combine_kernel_is_the_reference_combine_bitwise(T, k, E, kind, H, dtype):
@@ -611,14 +612,14 @@ def test_combine_kernel_is_the_reference_combine_bitwise(T, k, E, kind, H, dtype
     y = torch.randn(T * k, H, generator=gen)
     y[:, ::5] = 0.0
     y[:, 1::5] = -0.0
-    y[0, 2] = float("inf")  # an infinite output where token 0 has a valid slot on it
     valid = ((idx >= 0) & (idx < E)).reshape(-1)
+    y[valid.nonzero()[0, 0], 2] = float("inf")  # an infinite output: the first valid slot's token
     y[~valid] = float("nan")  # rows of sentinel slots must never be read
     y = y.to(dtype)
     out = combine(y, idx, w, E, torch.empty(T, H, dtype=dtype))
     expected = reference.combine(y, idx, w, E, dtype)
     assert torch.equal(out.view(torch.uint8), expected.view(torch.uint8))  # signed zeros included
-    assert not out.isnan().any()
+    assert not out.isnan().any() and out.isinf().any()
 
 
 def test_experts_empty_tokens():

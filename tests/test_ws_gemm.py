@@ -207,6 +207,8 @@ def test_wide_tiles_where_n_is_a_multiple_of_256_and_the_output_2_bytes(monkeypa
     assert _gemm_call(monkeypatch, S=2032, E=16, K=7168).constexprs["WN"] == 1  # 127
     assert _gemm_call(monkeypatch, S=2032, E=16, K=ws_gemm.WIDE_MAX_K).constexprs["WN"] == 2
     assert _gemm_call(monkeypatch, K=ws_gemm.WIDE_LONG_MAX_K + 128).constexprs["WN"] == 1
+    # tests/test_gpu_ws_gemm.py's "wide tiles, long K" case takes them
+    assert _gemm_call(monkeypatch, S=2200, E=3, N=512, K=4160).constexprs["WN"] == 2
     monkeypatch.setattr(ws_gemm, "WIDE", False)  # the A/B switch
     assert _gemm_call(monkeypatch, N=512).constexprs["WN"] == 1
 

@@ -108,9 +108,12 @@ def slots_block(topk: int) -> int:
 
 def combine_launch_shape(T: int, H: int, topk: int) -> tuple[tuple[int, int], int, int]:
     """(grid, KP, BLOCK_H): a program per token and block of up to 2048 columns (against
-    1024: 10-15 % faster at H = 7168 and 2048 on the H200, ``bench/aux_kernels.py``)."""
-    block_h = min(2048, next_power_of_2(H))
-    return (T, cdiv(H, block_h)), slots_block(topk), block_h
+    1024: 10-15 % faster at H = 7168 and 2048 on the H200, ``bench/aux_kernels.py``); past
+    8 slots per token proportionally fewer, so that a program's (KP, BLOCK_H) tile of y
+    stays the size measured at k = 8 (16 values a lane; larger tiles were not measured)."""
+    kp = slots_block(topk)
+    block_h = min(2048 * 8 // max(kp, 8), next_power_of_2(H))
+    return (T, cdiv(H, block_h)), kp, block_h
 
 
 def combine_call(y: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, num_experts: int,

@@ -90,12 +90,13 @@ PRODUCER_REGS = 40  # registers per producer thread (its tile map of up to 256 e
 LAG = True  # consumers take two K steps at a time (measured faster: docs/benchmarks.md)
 # tiles of 128 x 256 output columns (two MMAs per A tile and K step, one in flight at a
 # time per warpgroup, so without LAG; a ring of WIDE_STAGES slots) where N is a multiple
-# of 256 and K at most WIDE_MAX_K, or at most WIDE_LONG_MAX_K where the experts average
-# WIDE_LONG_MIN_ROWS rows or more.  On the H200 they were faster at K = 768 and 2048 and,
-# the GEMM alone, slower at 7168 and 14336; on a power-capped H100, layers at K = 7168
-# (deepseek_v3) from 128 rows per expert were 1-6 % faster, at 64 rows 5 % slower, and
-# at K = 4096 (mixtral_8x7b) up to 7 % faster dynamic, -2 to +2 % static; K = 14336 gained
-# nothing (docs/benchmarks.md)
+# of 256 and K at most WIDE_MAX_K, or at most WIDE_LONG_MAX_K where the GEMM has
+# WIDE_LONG_MIN_ROWS rows (out's, unrouted slots included) per expert or more.  On the
+# H200 they were faster at K = 768 and 2048 and, the GEMM alone, slower at 7168 and 14336
+# (its layers at K = 7168 not measured there); on a power-capped H100, deepseek_v3's
+# layers (K = 7168) were 5-6 % faster at 256 rows per expert, 1-5 % at 128 and 512, 5 %
+# slower at 64; mixtral_8x7b's at K = 4096 up to 7 % faster dynamic, -2 to +2 % static;
+# K = 14336 gained nothing (docs/benchmarks.md)
 WIDE = True
 WIDE_MAX_K = 2048
 WIDE_LONG_MAX_K = 7168
