@@ -333,6 +333,11 @@ class GpuClocks:
             out, _ = self._proc.communicate()
             self.summary = smi_summary(out)
 
+    def metrics(self) -> dict:
+        """What a result records of the block's clocks: ``clock_sm_mhz_median`` and
+        ``clock_capped`` ({} without samples)."""
+        return {f"clock_{key}": self.summary[key] for key in ("sm_mhz_median", "capped") if self.summary}
+
 
 def capture_graph(fn: Callable[[], Any]) -> torch.cuda.CUDAGraph:
     """``fn`` captured in a CUDA graph (after one call on a side stream: compiles and

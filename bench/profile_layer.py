@@ -14,7 +14,9 @@ read three calls before: out of the 50 MB L2 of an H100 or H200 for every benchm
 model (qwen3_30b_a3b's T=1 layer reads 38 MB; before the thirty-eighth session every
 profiled call read the same copy, and the small layers' kernel times were partly L2
 reads).  The gap between the graph of layers and the kernels' sum is then the cost of
-launches and of the GPU idling between dependent kernels.  ``--table`` changes the launch-config table for the run
+launches and of the GPU idling between dependent kernels.  Beside it, the GPU's median SM
+clock while it was timed and the share of that time a power or thermal limit held the clock
+down (``common.GpuClocks``, where ``nvidia-smi`` runs).  ``--table`` changes the launch-config table for the run
 (:func:`common.table_override`), and ``--slots`` the experts forward's fusion thresholds
 (:func:`common.slots_override`): the experiments that decide a setting.  Writes
 ``OUT/<--name>.json`` / ``.md``; exits 1 if any case failed.
@@ -30,8 +32,8 @@ import sys
 import torch
 
 import fp8_moe_ops  # noqa: F401  (registers torch.ops.fp8_moe)
-from common import (BLOCK, ExperimentConfig, Runner, cuda_events, each_scheme_case, graph_ms, parse_sweep,
-                    results_table, slots_override, table_override)
+from common import (BLOCK, ExperimentConfig, GpuClocks, Runner, cuda_events, each_scheme_case, graph_ms,
+                    parse_sweep, results_table, slots_override, table_override)
 
 CASES = {"deepseek_v3": [1, 8, 16384], "qwen3_30b_a3b": [1, 8, 64, 16384], "mixtral_8x7b": [1, 8, 16384]}
 CALLS = 20
@@ -45,10 +47,11 @@ def kernel_times(layer_fns) -> dict:
     # the i-th kernel of every call (the two GEMMs share a name, not a position)
     kernels = [(evs[i].name, statistics.median(evs[c * per_call + i].device_time_total for c in range(CALLS)))
                for i in range(per_call)]
+    with GpuClocks() as clocks:  # the clocks of the graph of layers' timing
+        per_layer_ms = graph_ms(lambda: [f() for f in layer_fns]) / len(layer_fns)
     return {"launches_per_call": len(evs) / CALLS, "sum_us": sum(t for _, t in kernels),
-            "graph_us": graph_ms(layer_fns[0]) * 1e3,
-            "graph_per_layer_us": graph_ms(lambda: [f() for f in layer_fns]) * 1e3 / len(layer_fns),
-            "kernels_us": kernels}
+            "graph_us": graph_ms(layer_fns[0]) * 1e3, "graph_per_layer_us": per_layer_ms * 1e3,
+            **clocks.metrics(), "kernels_us": kernels}
 
 
 def main() -> int:
@@ -98,7 +101,9 @@ def table(runner: Runner) -> str:
                                           ("launches", "launches_per_call", ".0f"),
                                           ("sum of kernels µs", "sum_us", ".1f"),
                                           ("graph µs", "graph_us", ".1f"),
-                                          ("graph of layers, µs per layer", "graph_per_layer_us", ".1f")])
+                                          ("graph of layers, µs per layer", "graph_per_layer_us", ".1f"),
+                                          ("its SM MHz", "clock_sm_mhz_median", ".0f"),
+                                          ("its capped share", "clock_capped", ".2f")])
 
 
 if __name__ == "__main__":

@@ -142,8 +142,7 @@ def measure(weights, inputs, scales, flops: int, ways) -> dict:
                 outs[way] = fn()
             with GpuClocks() as clocks:
                 ms = time_ms(fn)
-            clock = {f"clock_{key}": clocks.summary[key] for key in ("sm_mhz_median", "capped") if clocks.summary}
-            samples[way].append({"ms": ms, **clock, **kernel_ms(fn)})
+            samples[way].append({"ms": ms, **clocks.metrics(), **kernel_ms(fn)})
     res = {}
     for way, runs in samples.items():
         keys = set.intersection(*(set(r) for r in runs))  # the clocks only where nvidia-smi sampled both runs

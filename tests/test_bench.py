@@ -139,7 +139,9 @@ def test_gpu_clocks_without_nvidia_smi_is_empty(common, monkeypatch):
     monkeypatch.setattr(common.shutil, "which", lambda name: None)
     with common.GpuClocks() as clocks:
         pass
-    assert clocks.summary == {}
+    assert clocks.summary == {} and clocks.metrics() == {}
+    clocks.summary = common.smi_summary("1500, 690.0, 0x4\n1700, 600.0, 0x0\n")
+    assert clocks.metrics() == {"clock_sm_mhz_median": 1600.0, "clock_capped": 0.5}
 
 
 def test_parse_sweep(common):
