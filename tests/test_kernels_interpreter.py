@@ -594,14 +594,14 @@ def test_tile_map_entries_past_the_rows_are_never_used(case):
 
 
 @pytest.mark.parametrize("T,k,E,kind,H", [
-    (1, 1, 1, "uniform", 48),      # T = 1, k = 1 (slots padded to 2 lanes), E = 1
-    (13, 3, 7, "uniform", 100),    # prime E, k padded to 4, H not a power of two
-    (9, 2, 5, "empty", 64),        # experts without tokens
-    (6, 2, 3, "one", 40),          # both slots of a token on one expert: ties by slot
-    (12, 3, 5, "sentinel", 48),    # ids outside [0, E) on both sides; token 0 with none valid
-    (5, 6, 4, "uniform", 32),      # k > E: the extra slots are sentinels, k padded to 8
-    (3, 8, 11, "uniform", 2100),   # k = 8; two column blocks, the second partial
-    (2, 16, 21, "sentinel", 1100), # k = 16: blocks of 1024 columns, the second partial
+    (1, 1, 1, "uniform", 48),         # T = 1, k = 1 (slots padded to 2 lanes), E = 1
+    (13, 3, 7, "uniform", 100),       # prime E, k padded to 4, H not a power of two
+    (9, 2, 5, "empty", 64),           # experts without tokens
+    (6, 2, 3, "one", 40),             # both slots of a token on one expert: ties by slot
+    (12, 3, 5, "sentinel", 48),       # ids outside [0, E) on both sides; token 0 with none valid
+    (5, 6, 4, "uniform", 32),         # k > E: the extra slots are sentinels, k padded to 8
+    (3, 8, 11, "uniform", 2100),      # k = 8; two column blocks, the second partial
+    (2, 16, 21, "sentinel", 1100),    # k = 16: blocks of 1024 columns, the second partial
 ])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_combine_kernel_is_the_reference_combine_bitwise(T, k, E, kind, H, dtype):
