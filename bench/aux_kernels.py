@@ -1,6 +1,6 @@
 """The memory-bound kernels around a prefill layer's GEMMs, alone, against their bytes.
 
-    PYTHONPATH=. python bench/aux_kernels.py --out-dir OUT [--cases "deepseek_v3:8192;..."]
+    PYTHONPATH=. python bench/aux_kernels.py --out-dir OUT [--cases "deepseek_v3:8192;..."] [--ceilings measured|h200]
 
 Three kernels of a prefill forward (``fp8_moe_ops.kernels.experts``), each launched
 alone on one layer's tensors (uniform routing, dynamic scales): the input quantisation
@@ -8,7 +8,7 @@ as the Gluon GEMM's path runs it (each token quantised once and stored at its k 
 expert-sorted rows, ``DEST``), the gated activation + quantisation, and the combine.
 Each runs with the forward's launch shape (``shipped``) and with others: rows or
 columns per program, warps.  Reported: GPU µs (median of ``do_bench``), the time its
-bytes take at the measured copy bandwidth (``common.COPY_BANDWIDTH``, 4.22 TB/s), their
+bytes take at the copy bandwidth (``--ceilings``: this GPU's, measured first, or the H200's 4.22 TB/s), their
 ratio, and whether the output equals the shipped shape's bitwise (the same arithmetic
 per element, so it must).  Nothing in the package changes: the experiment that would
 decide a launch shape.  Writes
@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import asdict
 
 import torch
 
-from common import (COPY_BANDWIDTH, MODELS, ExperimentConfig, Runner, log, make_routing, parse_sweep, results_table,
+from common import (MODELS, ExperimentConfig, Runner, ceilings_for, log, make_routing, parse_sweep, results_table,
                     time_ms)
 from fp8_moe_ops import routing
 from fp8_moe_ops.functional import cdiv
@@ -93,8 +94,11 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out-dir", required=True)
     p.add_argument("--cases", default=None, help="model:T,T;... (default: CASES)")
+    p.add_argument("--ceilings", default="measured", choices=("measured", "h200"))
     args = p.parse_args()
     runner = Runner("aux_kernels", args.out_dir)
+    ceilings = ceilings_for(args.ceilings)
+    runner.meta["ceilings"] = asdict(ceilings)
     gen = torch.Generator(device="cuda").manual_seed(7)
     for name, tokens in (parse_sweep(args.cases) if args.cases else CASES).items():
         model = MODELS[name]
@@ -114,7 +118,7 @@ def main() -> int:
                         equal = all(torch.equal(o.view(torch.uint8), r.view(torch.uint8))
                                     for o, r in zip(outputs, reference))
                         us = time_ms(lambda: launch(call), rep_ms=100, warmup_ms=25) * 1e3
-                        floor = nbytes / COPY_BANDWIDTH * 1e6
+                        floor = nbytes / ceilings.copy_bandwidth * 1e6
                         return {"us": us, "bytes_floor_us": floor, "ratio": us / floor, "equal_to_shipped": equal}
 
                     variant = "shipped" if call is shipped else "other"

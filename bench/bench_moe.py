@@ -1,7 +1,7 @@
 """Whole-MoE-layer benchmark of ``fp8_moe::grouped_experts`` on the three benchmark layers.
 
     PYTHONPATH=. python bench/bench_moe.py --out-dir OUT [--models deepseek_v3,...] [--tokens 1,64,...]
-        [--grouped-op] [--copy-from EARLIER/bench_moe.json --copy eager]
+        [--grouped-op] [--copy-from EARLIER/bench_moe.json --copy eager] [--ceilings measured|h200]
 
 Writes ``OUT/bench_moe.json`` (every case, failed ones with their error), ``OUT/bench_moe.md``
 (one table per model) and ``OUT/<model>.png`` (time vs tokens, log-log).  Beside ours
@@ -14,13 +14,17 @@ same shapes in the same run:
 * ``eager``: this package's ``FP8Experts(dispatch="eager")`` loop, T <= --eager-max-t.
 
 Timing: median of CUDA-event timings, and for T <= 1024 also the median replay of a
-CUDA graph of the call.  Floor: ``common.floor_ms``.  Exits 1 if any case failed.
+CUDA graph of the call, each case's SM clock beside it (``common.GpuClocks``: a GPU at its
+power limit runs slower).  Floor: ``common.floor_ms`` with this GPU's ceilings measured at
+the start (``--ceilings measured``, in the JSON's meta) or the H200's constants.  Exits 1
+if any case failed.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+from dataclasses import asdict
 import sys
 import time
 
@@ -28,9 +32,9 @@ import torch
 import torch.nn.functional as F
 
 import fp8_moe_ops  # noqa: F401  (registers torch.ops.fp8_moe)
-from common import (BLOCK, MODELS, ROUTINGS, TOKENS, ExperimentConfig, Runner, dequant_bf16, experts_module,
-                    floor_ms, graph_ms, layer_flops, layer_inputs, layer_weights, log, make_weights, markdown_table,
-                    plot_lines, read_json, static_scales, time_ms, weight_bytes)
+from common import (BLOCK, MODELS, ROUTINGS, TOKENS, Ceilings, ExperimentConfig, GpuClocks, Runner, ceilings_for,
+                    dequant_bf16, experts_module, floor_ms, graph_ms, layer_flops, layer_inputs, layer_weights, log,
+                    make_weights, markdown_table, plot_lines, read_json, static_scales, time_ms, weight_bytes)
 from fp8_moe_ops.routing import sort_slots
 
 OPS = torch.ops.fp8_moe
@@ -85,13 +89,15 @@ def fp8_rowwise_layer(x, idx, wts, gu, gu_rs, dp, dp_rs):
 
 
 def _timed(fn, graph: bool, rep_ms: int = 200) -> dict:
-    res = {"ms": time_ms(fn, rep_ms)}
+    with GpuClocks() as clocks:
+        res = {"ms": time_ms(fn, rep_ms)}
+    res.update(clocks.metrics())
     if graph:
         res["graph_ms"] = graph_ms(fn)
     return res
 
 
-def run_model(runner: Runner, model, tokens, gen, eager_max_t: int, skip: set[str]) -> None:
+def run_model(runner: Runner, model, tokens, gen, eager_max_t: int, skip: set[str], ceilings: Ceilings) -> None:
     t0 = time.time()
     w = layer_weights(model, gen)
     gu_a, dp_a = static_scales(model, gen)
@@ -106,7 +112,8 @@ def run_model(runner: Runner, model, tokens, gen, eager_max_t: int, skip: set[st
             x, idx, wts = layer_inputs(model, T, gen, kind)
             hit = int(torch.unique(idx).numel())
             flops, nbytes = layer_flops(model, T), weight_bytes(model, hit)
-            shape = {"flops": flops, "weight_bytes": nbytes, "experts_hit": hit, "floor_ms": floor_ms(flops, nbytes)}
+            shape = {"flops": flops, "weight_bytes": nbytes, "experts_hit": hit,
+                     "floor_ms": floor_ms(flops, nbytes, ceilings)}
             graph = T <= GRAPH_MAX_T
             cases = {"ours_dynamic": lambda: OPS.grouped_experts(x, idx, wts, *w, BLOCK)}
             if kind == "uniform":
@@ -179,6 +186,7 @@ def _layer_rows(results, model_name):
         row[c.variant + "_graph"] = r.metrics.get("graph_ms")
         if c.variant == "ours_dynamic":
             row["first_call_s"] = r.metrics.get("first_call_s")
+            row["clock_mhz"] = r.metrics.get("clock_sm_mhz_median")
     for row in rows.values():
         def best(v):
             times = [t for t in (row.get(v), row.get(v + "_graph")) if isinstance(t, float)]
@@ -199,11 +207,13 @@ COLUMNS = [("T", "T", ""), ("routing", "routing", ""), ("ours dyn ms", "ours_dyn
            ("TFLOP/s", "tflops", ".0f"), ("weight TB/s", "tbps", ".2f"), ("% of floor", "pct_floor", ".0f"),
            ("floor ms", "floor_ms", ".3f"), ("bf16 ms", "bf16", ".3f"), ("x bf16", "x_bf16", ".2f"),
            ("rowwise ms", "fp8_rowwise", ".3f"), ("x rowwise", "x_fp8_rowwise", ".2f"), ("eager ms", "eager", ".2f"),
-           ("first call s", "first_call_s", ".2f")]
+           ("first call s", "first_call_s", ".2f"), ("SM MHz (ours dyn)", "clock_mhz", ".0f")]
 
 
 def report(runner: Runner) -> str:
-    parts = []
+    ceilings = runner.meta.get("ceilings")
+    parts = [f"Floor: max(weight bytes / {ceilings['copy_bandwidth'] / 1e12:.2f} TB/s, FLOPs / "
+             f"{ceilings['fp8_dense_rate'] / 1e12:.0f} TFLOP/s) ({ceilings['source']}).", ""] if ceilings else []
     for m in MODELS.values():
         rows = _layer_rows(runner.results, m.name)
         if rows:
@@ -238,11 +248,17 @@ def main() -> int:
     p.add_argument("--grouped-op", action="store_true", help="also time the grouped GEMM alone")
     p.add_argument("--copy-from", help="an earlier bench_moe.json (same script, same machine kind)")
     p.add_argument("--copy", default="", help="variants taken from --copy-from instead of run, e.g. eager,bf16")
+    p.add_argument("--ceilings", default="measured", choices=("measured", "h200"),
+                   help="the floor's copy bandwidth and fp8 rate: this GPU's, measured first, or the H200's")
     args = p.parse_args()
     skip = {v for v in args.copy.split(",") if v}
     if skip - set(VARIANTS) or bool(skip) != bool(args.copy_from):
         p.error(f"--copy: expected variants of {VARIANTS} together with --copy-from, got {args.copy!r}")
     runner = Runner("bench_moe", args.out_dir)
+    ceilings = ceilings_for(args.ceilings)
+    runner.meta["ceilings"] = asdict(ceilings)
+    log(f"ceilings: copy {ceilings.copy_bandwidth / 1e12:.2f} TB/s, fp8 {ceilings.fp8_dense_rate / 1e12:.0f} TFLOP/s "
+        f"({ceilings.source})")
     gen = torch.Generator(device="cuda").manual_seed(0)
     models = [MODELS[name] for name in args.models.split(",")]
     if args.copy_from:
@@ -250,7 +266,7 @@ def main() -> int:
         runner.add(type(r)(r.config, {**r.metrics, "copied_from": args.copy_from}, r.error) for r in earlier
                    if r.config.variant in skip and r.config.model in {m.name for m in models})
     for model in models:
-        run_model(runner, model, [int(t) for t in args.tokens.split(",")], gen, args.eager_max_t, skip)
+        run_model(runner, model, [int(t) for t in args.tokens.split(",")], gen, args.eager_max_t, skip, ceilings)
         runner.save(report(runner))  # after each model: a run cut short keeps what it measured
     if args.grouped_op:
         run_grouped_op(runner, gen)

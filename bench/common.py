@@ -27,13 +27,22 @@ from typing import Any, NamedTuple
 
 import torch
 
-# Ceilings measured on one H200 (torch 2.11.0+cu130, triton 3.6.0, 2026-11-29, median of
-# CUDA-event timings): a device-to-device copy moves 4.22e12 bytes/s (bytes read plus
-# written), and a dense fp8 GEMM (``torch._scaled_mm``, tensorwise scales, 8192^3) runs
-# at 1357e12 FLOP/s.  The floor of a layer is the larger of its weight bytes over the
-# first and its FLOPs over the second.
-COPY_BANDWIDTH = 4.22e12  # bytes / s
-FP8_DENSE_RATE = 1357e12  # FLOP / s
+
+@dataclass(frozen=True)
+class Ceilings:
+    """What a layer's floor divides by: a device-to-device copy's rate (bytes read plus
+    written per second) and a dense fp8 GEMM's (``torch._scaled_mm``, tensorwise scales,
+    8192^3, FLOP per second), and where they come from."""
+
+    copy_bandwidth: float
+    fp8_dense_rate: float
+    source: str
+
+
+# Measured on one H200 (torch 2.11.0+cu130, triton 3.6.0, 2026-11-29, median of CUDA-event
+# timings): the floors of the H200 results in docs/benchmarks.md.  Another GPU has its own:
+# :func:`measure_ceilings`.
+H200_CEILINGS = Ceilings(4.22e12, 1357e12, "H200, 2026-11-29")
 BLOCK = [128, 128]  # DeepSeek-V3's weight blocks: every benchmark uses them
 
 
@@ -182,9 +191,36 @@ def weight_bytes(model: Model, experts_hit: int) -> int:
     return experts_hit * (3 * model.H * model.I + 4 * scales)
 
 
-def floor_ms(flops: float, nbytes: float) -> float:
+def floor_ms(flops: float, nbytes: float, ceilings: Ceilings = H200_CEILINGS) -> float:
     """max(bytes / copy bandwidth, FLOPs / fp8 dense rate), in ms."""
-    return max(nbytes / COPY_BANDWIDTH, flops / FP8_DENSE_RATE) * 1e3
+    return max(nbytes / ceilings.copy_bandwidth, flops / ceilings.fp8_dense_rate) * 1e3
+
+
+def _copy_ms(nbytes: int) -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return time_ms(lambda: dst.copy_(src))
+
+
+def measure_ceilings(copy_bytes: int = 1 << 30, n: int = 8192) -> Ceilings:
+    """:class:`Ceilings` of the current GPU, measured as :data:`H200_CEILINGS` were: a copy
+    of ``copy_bytes`` and a tensorwise-scaled e4m3 GEMM of ``n``^3 (random operands)."""
+    copy_ms = _copy_ms(copy_bytes)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    a, b = (torch.randn(n, n, device="cuda", generator=gen).to(torch.float8_e4m3fn) for _ in range(2))
+    one = torch.ones((), device="cuda")
+    mm_ms = time_ms(lambda: torch._scaled_mm(a, b.t(), one, one, out_dtype=torch.bfloat16))
+    return Ceilings(2 * copy_bytes / copy_ms * 1e3, 2 * n ** 3 / mm_ms * 1e3,
+                    f"measured in this run on {torch.cuda.get_device_name()}")
+
+
+def ceilings_for(kind: str) -> Ceilings:
+    """``--ceilings`` of a script: ``measured`` (this GPU, now) or ``h200`` (the constants)."""
+    if kind == "h200":
+        return H200_CEILINGS
+    if kind == "measured":
+        return measure_ceilings()
+    raise ValueError(f"ceilings: expected 'measured' or 'h200', got {kind!r}")
 
 
 # --------------------------------------------------------------------------- launch experiments

@@ -122,6 +122,12 @@ def test_floor_is_the_larger_term(common):
     assert common.floor_ms(common.layer_flops(m, 1), nbytes) == pytest.approx(nbytes / 4.22e12 * 1e3)
     flops = common.layer_flops(m, 16384)
     assert common.floor_ms(flops, nbytes) == pytest.approx(flops / 1357e12 * 1e3)
+    slower = common.Ceilings(copy_bandwidth=2e12, fp8_dense_rate=1000e12, source="test")
+    assert common.floor_ms(flops, nbytes, slower) == pytest.approx(flops / 1000e12 * 1e3)
+    assert common.floor_ms(1.0, nbytes, slower) == pytest.approx(nbytes / 2e12 * 1e3)
+    assert common.ceilings_for("h200") is common.H200_CEILINGS
+    with pytest.raises(ValueError, match="expected 'measured' or 'h200', got 'h100'"):
+        common.ceilings_for("h100")
 
 
 def test_smi_summary_reads_clocks_power_and_capping(common):
@@ -225,7 +231,9 @@ def test_bench_moe_table_from_results(common, monkeypatch):
     bench_moe = _load("bench_moe", monkeypatch)
     runner = common.Runner("bench_moe")
     shape = {"flops": 6e9, "weight_bytes": 2e9, "floor_ms": 0.5}
-    for variant, metrics in (("ours_dynamic", {"ms": 1.0, "graph_ms": 0.8}), ("bf16", {"ms": 2.4})):
+    runner.meta["ceilings"] = {"copy_bandwidth": 3.1e12, "fp8_dense_rate": 1.2e15, "source": "measured in a test"}
+    metrics = {"ms": 1.0, "graph_ms": 0.8, "clock_sm_mhz_median": 1755.0, "clock_capped": 0.5}
+    for variant, metrics in (("ours_dynamic", metrics), ("bf16", {"ms": 2.4})):
         runner.run(common.ExperimentConfig("layer", "qwen3_30b_a3b", 64, variant), lambda m=metrics: {**shape, **m})
     runner.run(common.ExperimentConfig("layer", "qwen3_30b_a3b", 64, "fp8_rowwise"), lambda: 1 / 0)
     table = bench_moe.report(runner)
@@ -237,6 +245,8 @@ def test_bench_moe_table_from_results(common, monkeypatch):
     assert cells[cols.index("% of floor")] == "62"
     assert cells[cols.index("x bf16")] == "3.00"
     assert cells[cols.index("rowwise ms")] == "err"
+    assert cells[cols.index("SM MHz (ours dyn)")] == "1755"
+    assert table.startswith("Floor: max(weight bytes / 3.10 TB/s, FLOPs / 1200 TFLOP/s) (measured in a test).")
 
 
 def test_dispatch_agreement_runs_on_cpu(monkeypatch, common, tmp_path):
