@@ -11,7 +11,19 @@ On the GPU machine (ncu reads the counters there; leave the clocks alone):
         --csv --page details python bench/ncu_layers.py > OUT/ncu.csv
 
 runs one dynamic-scale layer per case of ``CASES`` (uniform routing, the bench's weights),
-twice outside the profiled range (compiles, launch plans) and once inside it.  Then, anywhere:
+twice outside the profiled range (compiles, launch plans) and once inside it.  ``--cases
+"deepseek_v3:8192"`` runs others; ``--ways "group_m=8;group_m=16"`` runs each case once per
+way (in that order, inside the range; the outputs must be equal bitwise), a way being
+settings of the Gluon GEMM (``fp8_moe_ops/kernels/ws_gemm.py``): ``group_m`` (its launches'
+``GROUP_M``) or a module constant of ``ws_gemm`` (``WIDE=0``, or one a patch of
+docs/benchmarks adds).  The prefill GEMMs' DRAM and L2 bytes per way, for example:
+
+    PYTHONPATH=.:bench ncu --profile-from-start off --clock-control none --kernel-name regex:ws_gemm \
+        --metrics gpu__time_duration.sum,dram__bytes_read.sum,lts__t_bytes.sum,lts__t_sector_hit_rate.pct \
+        --csv --page details python bench/ncu_layers.py --cases deepseek_v3:8192 \
+        --ways "group_m=8;group_m=4;group_m=16" > OUT/ncu.csv
+
+Then, anywhere:
 
     python bench/ncu_layers.py --summarize OUT/ncu.csv > OUT/ncu_summary.json
 
@@ -30,10 +42,46 @@ CASES = [("deepseek_v3", [1, 8192]), ("qwen3_30b_a3b", [1, 8]), ("mixtral_8x7b",
 SUMMARY = ("Duration", "DRAM Throughput", "Compute (SM) Throughput", "Registers Per Thread", "Grid Size",
            "Waves Per SM", "Block Limit Registers", "Block Limit Shared Mem", "Achieved Occupancy",
            "sm__cycles_active.max", "sm__cycles_active.min", "sm__cycles_active.avg", "dram__bytes_read.sum",
-           "Issue Slots Busy", "No Eligible", "Warp Cycles Per Issued Instruction")
+           "Issue Slots Busy", "No Eligible", "Warp Cycles Per Issued Instruction", "gpu__time_duration.sum",
+           "lts__t_bytes.sum", "lts__t_sector_hit_rate.pct")
 
 
-def profiled_run() -> None:
+def parse_ways(text: str) -> list[dict[str, int]]:
+    """``"group_m=8;WIDE=0,group_m=4"`` -> [{"group_m": 8}, {"WIDE": 0, "group_m": 4}]: each
+    way's settings (integers), checked against what the Gluon GEMM's module has."""
+    from fp8_moe_ops.kernels import ws_gemm
+
+    ways = []
+    for way in text.split(";"):
+        settings = {}
+        for item in way.split(","):
+            name, _, value = item.partition("=")
+            known = name == "group_m" or (name.isupper() and hasattr(ws_gemm, name))
+            if not known or not value.lstrip("-").isdigit():
+                raise ValueError(f"ways: expected NAME=INT with NAME group_m or a constant of ws_gemm, got {item!r}")
+            settings[name] = int(value)
+        ways.append(settings)
+    return ways
+
+
+def way_setter(ways: list[dict[str, int]]):
+    """A function that sets one of ``ways`` on the Gluon GEMM's module, from the shipped
+    settings each time (what another way changed and this one names not goes back)."""
+    from fp8_moe_ops.kernels import ws_gemm
+
+    call = ws_gemm.ws_gemm_call
+    shipped = {name: getattr(ws_gemm, name) for way in ways for name in way if name != "group_m"}
+
+    def set_way(way: dict[str, int]) -> None:
+        group_m = way.get("group_m")
+        ws_gemm.ws_gemm_call = call if group_m is None else (lambda *a, **kw: call(*a, **{**kw, "group_m": group_m}))
+        for name, value in shipped.items():
+            setattr(ws_gemm, name, type(value)(way.get(name, value)))
+
+    return set_way
+
+
+def profiled_run(cases, ways) -> None:
     import torch
 
     import fp8_moe_ops  # noqa: F401  (registers torch.ops.fp8_moe)
@@ -42,20 +90,28 @@ def profiled_run() -> None:
 
     gen = torch.Generator(device="cuda").manual_seed(5)
     fns = []
-    for name, tokens in CASES:
+    for name, tokens in cases:
         weights = layer_weights(MODELS[name], gen)
         for T in tokens:
             x, idx, wts = layer_inputs(MODELS[name], T, gen)
             fns.append(lambda x=x, idx=idx, wts=wts, w=weights: experts.grouped_experts(x, idx, wts, *w, BLOCK, "silu"))
-    for fn in fns:
-        fn()
-        fn()
+    set_way = way_setter(ways)
+    for way in ways:
+        set_way(way)
+        for fn in fns:
+            fn()
+            fn()
     torch.cuda.synchronize()
     torch.cuda.cudart().cudaProfilerStart()
-    for fn in fns:
-        fn()
+    outs = []
+    for way in ways:
+        set_way(way)
+        outs.append([fn() for fn in fns])
     torch.cuda.synchronize()
     torch.cuda.cudart().cudaProfilerStop()
+    for way, out in zip(ways[1:], outs[1:]):
+        if not all(torch.equal(a, b) for a, b in zip(out, outs[0])):
+            raise AssertionError(f"the outputs of way {way} differ from those of {ways[0]}")
 
 
 def summarize(path: str) -> list[dict]:
@@ -79,12 +135,22 @@ def summarize(path: str) -> list[dict]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--summarize", metavar="CSV", help="summarise ncu's CSV instead of running the layers")
+    p.add_argument("--cases", default=None, help="model:T,T;... (default: CASES)")
+    p.add_argument("--ways", default=None, help="ways of the Gluon GEMM, e.g. group_m=8;group_m=16 (default: one, "
+                   "as shipped)")
     args = p.parse_args()
     if args.summarize:
         json.dump(summarize(args.summarize), sys.stdout, indent=1)
         print()
     else:
-        profiled_run()
+        from common import parse_sweep
+
+        cases = list(parse_sweep(args.cases).items()) if args.cases else CASES
+        try:
+            ways = parse_ways(args.ways) if args.ways else [{}]
+        except ValueError as e:
+            p.error(str(e))
+        profiled_run(cases, ways)
     return 0
 
 

@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python bench/ws_gemm_ab.py --out-dir OUT [--cases "deepseek_v3:4096,8192;..."]
         [--ways triton,ws,ws_tiles,ws_down_only,ws_mid,ws_col,ws_nolag,ws_narrow,ws_wide_any_k,ws_wide_k2048,
-                ws_store_mma,ws_store_rows,ws_sorted_all,shipped]
+                ws_store_mma,ws_store_rows,ws_sorted_all,ws_group<G>,shipped]
 
 For every case (model, T, dynamic / static activation scales, uniform routing) one
 process times the ``grouped_experts`` forward several ways, on the same inputs:
@@ -26,6 +26,8 @@ process times the ``grouped_experts`` forward several ways, on the same inputs:
 * ``ws_wide_any_k`` / ``ws_wide_k2048``: as ``shipped`` with 128 x 256 output tiles where N
   allows at every K and any rows per expert (``WIDE_MAX_K`` lifted) / only up to K = 2048
   (``WIDE_LONG_MAX_K`` 2048: the limit before the forty-fourth session);
+* ``ws_group<G>`` (``ws_group16``, ...): as ``shipped`` with the Gluon kernel's
+  ``GROUP_M`` = G (G row tiles take each column tile in turn) instead of the table's;
 * ``ws_store_mma`` / ``ws_store_rows``: as ``shipped`` with the Gluon kernel's output
   stored from the MMA layout (``EPILOGUE`` 0: 4 bytes of a row per store, its form
   before the TMA store) / as whole rows through shared memory everywhere (1: no TMA);
@@ -55,6 +57,7 @@ import argparse
 import contextlib
 import functools
 import os
+import re
 import statistics
 import sys
 from unittest import mock
@@ -73,6 +76,13 @@ SHIPPED_LIKE = ("shipped", "ws_nolag", "ws_narrow", "ws_wide_any_k", "ws_wide_k2
                 "ws_store_rows", "ws_sorted_all")  # the launch table decides
 
 
+def check_ways(ways: list[str]) -> None:
+    """Refuses a way this script does not know (it would time ``shipped`` under its name)."""
+    unknown = [w for w in ways if w not in WAYS and not re.fullmatch(r"ws_group\d+", w)]
+    if unknown:
+        raise ValueError(f"ways: expected names of {WAYS} or ws_group<G>, got {unknown}")
+
+
 @contextlib.contextmanager
 def _way(way: str):
     """The environment switch, the gate_up GEMM's A and the Gluon kernel's GROUP_M and
@@ -81,11 +91,13 @@ def _way(way: str):
         def patch(module, name, value):
             stack.enter_context(mock.patch.object(module, name, value))
 
-        if way not in SHIPPED_LIKE:
+        group = re.fullmatch(r"ws_group(\d+)", way)
+        if way not in SHIPPED_LIKE and not group:
             stack.enter_context(mock.patch.dict(os.environ, {"FP8_MOE_GLUON": "0" if way == "triton" else "1"}))
         real_call = ws_gemm.ws_gemm_call
-        if way == "ws_col":
-            patch(ws_gemm, "ws_gemm_call", lambda *a, **kw: real_call(*a, **{**kw, "group_m": 1}))
+        if way == "ws_col" or group:
+            group_m = int(group[1]) if group else 1
+            patch(ws_gemm, "ws_gemm_call", lambda *a, **kw: real_call(*a, **{**kw, "group_m": group_m}))
         if way == "ws_tiles":
             patch(ws_gemm, "ws_gemm_call", lambda *a, **kw: real_call(*a, **{**kw, "max_programs": None}))
         if way == "ws_nolag":
@@ -163,6 +175,10 @@ def main() -> int:
     p.add_argument("--ways", default=",".join(WAYS), help="the first is the one the others are compared with")
     args = p.parse_args()
     ways = args.ways.split(",")
+    try:
+        check_ways(ways)
+    except ValueError as e:
+        p.error(str(e))
     runner = Runner("ws_gemm_ab", args.out_dir)
     gen = torch.Generator(device="cuda").manual_seed(0)
 

@@ -423,6 +423,21 @@ def test_decode_forms_change_one_launch_and_keep_its_result(common, monkeypatch)
         forms.parse_forms("down:BN=32&down:SPLIT=2")
 
 
+def test_ws_gemm_ab_way_sets_the_gluon_kernels_group_m(common, monkeypatch):
+    ab = _load("ws_gemm_ab", monkeypatch)
+    from fp8_moe_ops.kernels import ws_gemm
+
+    seen = []
+    monkeypatch.setattr(ws_gemm, "ws_gemm_call", lambda *a, **kw: seen.append(kw["group_m"]))
+    for way, group_m in (("ws_group16", 16), ("ws_col", 1), ("shipped", 8)):
+        with ab._way(way):
+            ws_gemm.ws_gemm_call(group_m=8)
+        assert seen[-1] == group_m
+    ab.check_ways(["shipped", "ws_group3"])
+    with pytest.raises(ValueError, match="got \\['ws_groups', 'fast'\\]"):
+        ab.check_ways(["shipped", "ws_groups", "fast"])
+
+
 def test_fused_read_probe_ways_sum_what_torch_sums(common, monkeypatch):
     # under the interpreter (programs one after another, so in ticket order) every way
     # reads both buffers whole: the first part's chunks, then the second's, and the
@@ -571,6 +586,29 @@ def test_ncu_summary_keeps_each_kernels_named_metrics(monkeypatch, tmp_path):
     assert ncu.summarize(str(path)) == [
         {"kernel": "_sort_quant_kernel", "Duration": "5,120 ns"},  # Elapsed Cycles: not in SUMMARY
         {"kernel": "_grouped_gemm_kernel", "DRAM Throughput": "66.70 %", "Grid Size": "560"}]
+
+
+def test_ncu_ways_set_the_gluon_gemm_and_go_back_to_shipped(monkeypatch):
+    ncu = _load("ncu_layers", monkeypatch)
+    from fp8_moe_ops.kernels import ws_gemm
+
+    ways = ncu.parse_ways("group_m=4;WIDE=0,group_m=16;WIDE_MAX_K=4096")
+    assert ways == [{"group_m": 4}, {"WIDE": 0, "group_m": 16}, {"WIDE_MAX_K": 4096}]
+    for bad in ("group_m=x", "GROUPS=4", "lag=1"):
+        with pytest.raises(ValueError, match=f"got {bad!r}"):
+            ncu.parse_ways(bad)
+    seen = []
+    monkeypatch.setattr(ws_gemm, "ws_gemm_call", lambda *a, **kw: seen.append(kw["group_m"]))
+    for name in ("WIDE", "WIDE_MAX_K"):
+        monkeypatch.setattr(ws_gemm, name, getattr(ws_gemm, name))  # restored after the test
+    wide, max_k = ws_gemm.WIDE, ws_gemm.WIDE_MAX_K
+    set_way = ncu.way_setter(ways)
+    set_way(ways[1])
+    ws_gemm.ws_gemm_call(group_m=8)
+    assert seen == [16] and ws_gemm.WIDE is False and ws_gemm.WIDE_MAX_K == max_k
+    set_way(ways[2])  # WIDE back to shipped, group_m the launch's own
+    ws_gemm.ws_gemm_call(group_m=8)
+    assert seen == [16, 8] and ws_gemm.WIDE is wide and ws_gemm.WIDE_MAX_K == 4096
 
 
 def test_aux_kernels_launch_shapes_give_the_shipped_bytes(common, monkeypatch):
