@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from fp8_moe_ops import reference
-from fp8_moe_ops.kernels import experts, plans, ws_gemm
+from fp8_moe_ops.kernels import experts, gemms, plans, ws_gemm
 
 from helpers import (EXPERTS_BOUND, GEMM_BOUND, make_expert_weights, make_experts_inputs, poison_free_memory, rel_err,
                      uneven_offsets)
@@ -112,6 +112,47 @@ def test_grouped_mm_equals_the_triton_kernel_bitwise(case, static, scales, dtype
     if case != "many tiles":  # the CPU reference at the small shapes: the bound of test_gpu_kernels
         ref = OPS.grouped_mm(x, w, ws, offsets, block, a, out_dtype)
         assert rel_err(got.cpu(), ref) < GEMM_BOUND[out_dtype or dtype]
+
+
+# rows per expert: row tiles of wide tiles whose expert ends 1, 64, 65, 128 rows in,
+# an empty expert, and one of 50 rows alone
+WIDE_ROWS = [1, 64, 65, 0, 128, 129, 192, 193, 50]
+
+
+@pytest.mark.parametrize("programs", [None, 3])
+@pytest.mark.parametrize("scales", ["f32", "e8m0"])
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_wide_tiles_whose_expert_ends_anywhere_in_them(static, scales, programs, ws_launches, monkeypatch):
+    # 128 x 256 output tiles (9 K steps) whose rows end in the first half, at it, just
+    # past it, at the tile's end; tail tiles; programs that take many tiles in turn: the
+    # same bits as the Triton kernel's, and the rows past offsets[-1] zero
+    if programs is not None:
+        monkeypatch.setattr(ws_gemm, "programs", lambda device: programs)
+    E, N, K = len(WIDE_ROWS), 512, 1040
+    scale_dtype, per_tensor = SCALES[scales]
+    gen = torch.Generator().manual_seed(11)
+    w, ws = make_expert_weights(E, N, K, [128, 128], scale_dtype, per_tensor, std=0.05, gen=gen)
+    offsets = torch.tensor(WIDE_ROWS).cumsum(0).to(torch.int32)
+    S = int(offsets[-1]) + 77  # rows past offsets[-1]: tail tiles
+    x = torch.randn(S, K, generator=gen).to(torch.bfloat16)
+    a = torch.rand(E, generator=gen) * 0.01 + 0.002 if static else None
+    calls = []
+    counted = ws_gemm.ws_gemm_call  # the fixture's counting wrapper
+
+    def recorded(*args, **kw):
+        calls.append(counted(*args, **kw))
+        return calls[-1]
+
+    monkeypatch.setattr(ws_gemm, "ws_gemm_call", recorded)
+    args = _cuda(x, w, ws, offsets)
+    # the forward itself: the op's launch plans do not key on the programs, so they would
+    # replay an earlier parametrisation's launches
+    got, want = _both(lambda: gemms.grouped_mm(*args, [128, 128], *_cuda(a)), ws_launches)
+    assert calls and all(c.constexprs["WN"] == 2 for c in calls)
+    assert torch.equal(got, want)
+    assert not got.isnan().any() and (got[int(offsets[-1]):] == 0).all()
+    ref = OPS.grouped_mm(x, w, ws, offsets, [128, 128], a)
+    assert rel_err(got.cpu(), ref) < GEMM_BOUND[torch.bfloat16]
 
 
 @pytest.mark.parametrize("programs", [1, 5])
