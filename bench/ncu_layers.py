@@ -15,8 +15,9 @@ twice outside the profiled range (compiles, launch plans) and once inside it.  `
 "deepseek_v3:8192"`` runs others; ``--ways "group_m=8;group_m=16"`` runs each case once per
 way (in that order, inside the range; the outputs must be equal bitwise), a way being
 settings of the Gluon GEMM (``fp8_moe_ops/kernels/ws_gemm.py``): ``group_m`` (its launches'
-``GROUP_M``) or a module constant of ``ws_gemm`` (``WIDE=0``, or one a patch of
-docs/benchmarks adds).  The prefill GEMMs' DRAM and L2 bytes per way, for example:
+``GROUP_M``), ``max_programs`` (of its persistent launch; 0: one program per tile) or a
+module constant of ``ws_gemm`` (``WIDE=0``, or one a patch of docs/benchmarks adds).  The
+prefill GEMMs' DRAM and L2 bytes per way, for example:
 
     PYTHONPATH=.:bench ncu --profile-from-start off --clock-control none --kernel-name regex:ws_gemm \
         --metrics gpu__time_duration.sum,dram__bytes_read.sum,lts__t_bytes.sum,lts__t_sector_hit_rate.pct \
@@ -44,6 +45,7 @@ SUMMARY = ("Duration", "DRAM Throughput", "Compute (SM) Throughput", "Registers 
            "sm__cycles_active.max", "sm__cycles_active.min", "sm__cycles_active.avg", "dram__bytes_read.sum",
            "Issue Slots Busy", "No Eligible", "Warp Cycles Per Issued Instruction", "gpu__time_duration.sum",
            "lts__t_bytes.sum", "lts__t_sector_hit_rate.pct")
+LAUNCH = ("group_m", "max_programs")  # ws_gemm_call's keyword arguments a way may set
 
 
 def parse_ways(text: str) -> list[dict[str, int]]:
@@ -56,9 +58,10 @@ def parse_ways(text: str) -> list[dict[str, int]]:
         settings = {}
         for item in way.split(","):
             name, _, value = item.partition("=")
-            known = name == "group_m" or (name.isupper() and hasattr(ws_gemm, name))
-            if not known or not value.lstrip("-").isdigit():
-                raise ValueError(f"ways: expected NAME=INT with NAME group_m or a constant of ws_gemm, got {item!r}")
+            known = name in LAUNCH or (name.isupper() and hasattr(ws_gemm, name))
+            if not known or not value.isdigit() or (name == "group_m" and int(value) < 1):
+                raise ValueError(f"ways: expected NAME=INT (>= 0; group_m >= 1) with NAME one of {LAUNCH} or a "
+                                 f"constant of ws_gemm, got {item!r}")
             settings[name] = int(value)
         ways.append(settings)
     return ways
@@ -70,11 +73,11 @@ def way_setter(ways: list[dict[str, int]]):
     from fp8_moe_ops.kernels import ws_gemm
 
     call = ws_gemm.ws_gemm_call
-    shipped = {name: getattr(ws_gemm, name) for way in ways for name in way if name != "group_m"}
+    shipped = {name: getattr(ws_gemm, name) for way in ways for name in way if name not in LAUNCH}
 
     def set_way(way: dict[str, int]) -> None:
-        group_m = way.get("group_m")
-        ws_gemm.ws_gemm_call = call if group_m is None else (lambda *a, **kw: call(*a, **{**kw, "group_m": group_m}))
+        launch = {name: way[name] or None for name in LAUNCH if name in way}  # max_programs 0: None
+        ws_gemm.ws_gemm_call = (lambda *a, **kw: call(*a, **{**kw, **launch})) if launch else call
         for name, value in shipped.items():
             setattr(ws_gemm, name, type(value)(way.get(name, value)))
 

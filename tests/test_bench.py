@@ -434,8 +434,8 @@ def test_ws_gemm_ab_way_sets_the_gluon_kernels_group_m(common, monkeypatch):
             ws_gemm.ws_gemm_call(group_m=8)
         assert seen[-1] == group_m
     ab.check_ways(["shipped", "ws_group3"])
-    with pytest.raises(ValueError, match="got \\['ws_groups', 'fast'\\]"):
-        ab.check_ways(["shipped", "ws_groups", "fast"])
+    with pytest.raises(ValueError, match="got \\['ws_groups', 'fast', 'ws_group0'\\]"):
+        ab.check_ways(["shipped", "ws_groups", "fast", "ws_group0"])  # GROUP_M 0 would divide by zero
 
 
 def test_fused_read_probe_ways_sum_what_torch_sums(common, monkeypatch):
@@ -592,23 +592,26 @@ def test_ncu_ways_set_the_gluon_gemm_and_go_back_to_shipped(monkeypatch):
     ncu = _load("ncu_layers", monkeypatch)
     from fp8_moe_ops.kernels import ws_gemm
 
-    ways = ncu.parse_ways("group_m=4;WIDE=0,group_m=16;WIDE_MAX_K=4096")
-    assert ways == [{"group_m": 4}, {"WIDE": 0, "group_m": 16}, {"WIDE_MAX_K": 4096}]
-    for bad in ("group_m=x", "GROUPS=4", "lag=1"):
+    ways = ncu.parse_ways("group_m=4;WIDE=0,group_m=16;WIDE_MAX_K=4096;max_programs=0")
+    assert ways == [{"group_m": 4}, {"WIDE": 0, "group_m": 16}, {"WIDE_MAX_K": 4096}, {"max_programs": 0}]
+    for bad in ("group_m=x", "GROUPS=4", "lag=1", "max_programs=", "group_m=0", "WIDE=-1"):
         with pytest.raises(ValueError, match=f"got {bad!r}"):
             ncu.parse_ways(bad)
     seen = []
-    monkeypatch.setattr(ws_gemm, "ws_gemm_call", lambda *a, **kw: seen.append(kw["group_m"]))
+    monkeypatch.setattr(ws_gemm, "ws_gemm_call", lambda *a, **kw: seen.append((kw["group_m"], kw["max_programs"])))
     for name in ("WIDE", "WIDE_MAX_K"):
         monkeypatch.setattr(ws_gemm, name, getattr(ws_gemm, name))  # restored after the test
     wide, max_k = ws_gemm.WIDE, ws_gemm.WIDE_MAX_K
     set_way = ncu.way_setter(ways)
-    set_way(ways[1])
-    ws_gemm.ws_gemm_call(group_m=8)
-    assert seen == [16] and ws_gemm.WIDE is False and ws_gemm.WIDE_MAX_K == max_k
-    set_way(ways[2])  # WIDE back to shipped, group_m the launch's own
-    ws_gemm.ws_gemm_call(group_m=8)
-    assert seen == [16, 8] and ws_gemm.WIDE is wide and ws_gemm.WIDE_MAX_K == 4096
+    for way in ways[1:]:
+        set_way(way)
+        ws_gemm.ws_gemm_call(group_m=8, max_programs=132)
+        if way is ways[1]:
+            assert ws_gemm.WIDE is False and ws_gemm.WIDE_MAX_K == max_k
+        else:  # what an earlier way changed is back to shipped
+            assert ws_gemm.WIDE is wide and ws_gemm.WIDE_MAX_K == (4096 if way is ways[2] else max_k)
+    # group_m 16, then the launch's own; max_programs 0: one program per tile
+    assert seen == [(16, 132), (8, 132), (8, None)]
 
 
 def test_aux_kernels_launch_shapes_give_the_shipped_bytes(common, monkeypatch):
