@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import asdict
 import sys
 import time
+from dataclasses import asdict
 
 import torch
 import torch.nn.functional as F

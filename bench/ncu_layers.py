@@ -69,7 +69,8 @@ def parse_ways(text: str) -> list[dict[str, int]]:
 
 def way_setter(ways: list[dict[str, int]]):
     """A function that sets one of ``ways`` on the Gluon GEMM's module, from the shipped
-    settings each time (what another way changed and this one names not goes back)."""
+    settings each time: a constant another way changed goes back to its shipped value
+    unless this way names it."""
     from fp8_moe_ops.kernels import ws_gemm
 
     call = ws_gemm.ws_gemm_call
