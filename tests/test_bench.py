@@ -614,6 +614,29 @@ def test_ncu_ways_set_the_gluon_gemm_and_go_back_to_shipped(monkeypatch):
     assert seen == [(16, 132), (8, 132), (8, None)]
 
 
+def test_plot_dram_takes_the_runs_of_one_case_and_averages_repeats(monkeypatch, tmp_path):
+    _load("common", monkeypatch)  # plot_dram imports it as a script would
+    plot = _load("plot_dram", monkeypatch)
+    # deepseek_v3 gate_up: 256 experts' 4096 x 7168 weights and T * 8 rows of 7168
+    assert plot.least_bytes("deepseek_v3", 8192, "gate_up") == 256 * 4096 * 7168 + 8192 * 8 * 7168
+    assert plot.least_bytes("deepseek_v3", 8192, "down") == 256 * 7168 * 2048 + 8192 * 8 * 2048
+
+    def kernel(way, gemm, gb):
+        return {"way": way, "gemm": gemm, "dram__bytes_read.sum": f"{gb * 1e9:,.0f} byte"}
+
+    runs = {"meta": {}, "runs": [
+        {"command": "ncu ... python bench/ncu_layers.py --cases deepseek_v3:8192 --ways a;b;a",
+         "kernels": [kernel("a", "gate_up", 10), kernel("a", "down", 5), kernel("b", "gate_up", 12),
+                     kernel("b", "down", 6), kernel("a", "gate_up", 11), kernel("a", "down", 4)]},
+        {"command": "ncu ... --cases deepseek_v3:16384 --ways a", "kernels": [kernel("a", "gate_up", 99)]}]}
+    flat = {"meta": {"command": "ncu ... --cases deepseek_v3:8192 --ways c"}, "kernels": [kernel("c", "down", 3)]}
+    (tmp_path / "r.json").write_text(json.dumps(runs))
+    (tmp_path / "f.json").write_text(json.dumps(flat))
+    got = plot.dram_bytes([str(tmp_path / "r.json"), str(tmp_path / "f.json")], "deepseek_v3:8192")
+    assert got == {"gate_up": {"r: a": 10.5e9, "r: b": 12e9}, "down": {"r: a": 4.5e9, "r: b": 6e9, "f: c": 3e9}}
+    assert plot.dram_bytes([str(tmp_path / "r.json")], "qwen3_30b_a3b:8192") == {}
+
+
 def test_aux_kernels_launch_shapes_give_the_shipped_bytes(common, monkeypatch):
     # the benchmark reports equality on the GPU; here every swept shape of each kernel
     # (interpreted, a tiny layer with partial column blocks) writes what the forward's writes
