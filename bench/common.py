@@ -180,6 +180,16 @@ def dequant_bf16(w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------- floors
 
 
+PROJS = ("gate_up", "down")  # a layer's two GEMMs
+
+
+def gemm_shape(model: Model, proj: str) -> tuple[int, int]:
+    """(N, K) of one of a layer's GEMMs (:data:`PROJS`): gate_up (2I, H), down (H, I)."""
+    if proj not in PROJS:
+        raise ValueError(f"proj: expected one of {PROJS}, got {proj!r}")
+    return (2 * model.I, model.H) if proj == "gate_up" else (model.H, model.I)
+
+
 def layer_flops(model: Model, T: int) -> int:
     """Two GEMMs of one layer: gate_up (2I outputs) and down, 2 FLOPs per MAC, T*k rows."""
     return 6 * T * model.top_k * model.H * model.I
@@ -202,14 +212,20 @@ def _copy_ms(nbytes: int) -> float:
     return time_ms(lambda: dst.copy_(src))
 
 
+def tensorwise_fp8_ms(a: torch.Tensor, b_nk: torch.Tensor) -> float:
+    """Median ms of cuBLAS's e4m3 GEMM ``a @ b_nk.T`` with one scale per tensor
+    (``torch._scaled_mm``, bf16 out): the plain fp8 rate of the GPU at hand."""
+    one = torch.ones((), device=a.device)
+    return time_ms(lambda: torch._scaled_mm(a, b_nk.t(), one, one, out_dtype=torch.bfloat16))
+
+
 def measure_ceilings(copy_bytes: int = 1 << 30, n: int = 8192) -> Ceilings:
     """:class:`Ceilings` of the current GPU, measured as :data:`H200_CEILINGS` were: a copy
     of ``copy_bytes`` and a tensorwise-scaled e4m3 GEMM of ``n``^3 (random operands)."""
     copy_ms = _copy_ms(copy_bytes)
     gen = torch.Generator(device="cuda").manual_seed(0)
     a, b = (torch.randn(n, n, device="cuda", generator=gen).to(torch.float8_e4m3fn) for _ in range(2))
-    one = torch.ones((), device="cuda")
-    mm_ms = time_ms(lambda: torch._scaled_mm(a, b.t(), one, one, out_dtype=torch.bfloat16))
+    mm_ms = tensorwise_fp8_ms(a, b)
     return Ceilings(2 * copy_bytes / copy_ms * 1e3, 2 * n ** 3 / mm_ms * 1e3,
                     f"measured in this run on {torch.cuda.get_device_name()}")
 

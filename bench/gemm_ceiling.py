@@ -33,8 +33,8 @@ import torch
 import torch.nn.functional as F
 
 import fp8_moe_ops  # noqa: F401  (registers torch.ops.fp8_moe)
-from common import (BLOCK, MODELS, ExperimentConfig, Runner, cuda_events, log, make_weights, markdown_table,
-                    parse_sweep, time_ms)
+from common import (BLOCK, MODELS, PROJS, ExperimentConfig, Runner, cuda_events, gemm_shape, log, make_weights,
+                    markdown_table, parse_sweep, tensorwise_fp8_ms, time_ms)
 
 CASES = {"deepseek_v3": [8192, 16384], "qwen3_30b_a3b": [4096, 16384]}
 FP8 = torch.float8_e4m3fn
@@ -100,9 +100,7 @@ def dense_blockwise(a, sa, b_nk, sb_grid, flops) -> dict:
 
 
 def dense_tensorwise(a, b_nk, flops) -> dict:
-    one = torch.ones((), device="cuda")
-    fn = lambda: torch._scaled_mm(a, b_nk.t(), one, one, out_dtype=torch.bfloat16)  # noqa: E731
-    ms = time_ms(fn)
+    ms = tensorwise_fp8_ms(a, b_nk)
     return {"api": "torch._scaled_mm tensorwise", "ms": ms, "tflops": flops / ms / 1e9}
 
 
@@ -184,8 +182,8 @@ def main() -> int:
         for T in tokens:
             if T * model.top_k % model.E:
                 p.error(f"--cases: T * top_k must split evenly over the {model.E} experts of {name}, got T={T}")
-            for proj, N, K in (("gate_up", 2 * model.I, model.H), ("down", model.H, model.I)):
-                run_shape(runner, model, T, proj, N, K, gen)
+            for proj in PROJS:
+                run_shape(runner, model, T, proj, *gemm_shape(model, proj), gen)
             runner.save(table(runner))
     log(table(runner))
     return runner.exit_code()

@@ -50,7 +50,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-from common import MODELS, ExperimentConfig, Runner, log, make_weights, markdown_table
+from common import MODELS, ExperimentConfig, Runner, gemm_shape, log, make_weights, markdown_table
 from fp8_moe_ops.kernels.gluon_gemm import load_tile, ring  # the shipped kernel's ring and its TMA loads
 
 CASES = [("deepseek_v3", 8192, "down"), ("deepseek_v3", 8192, "gate_up"), ("qwen3_30b_a3b", 16384, "down"),
@@ -239,7 +239,7 @@ def timed(model, T: int, proj: str, gen: torch.Generator) -> dict:
     from fp8_moe_ops.kernels.moe import _quantize
     from gemm_ceiling import dense_blockwise, gemm_kernel_ms
 
-    N, K = (model.H, model.I) if proj == "down" else (2 * model.I, model.H)
+    N, K = gemm_shape(model, proj)
     M = T * model.top_k
     rows = M // model.E
     flops = 2 * M * N * K

@@ -21,13 +21,13 @@ import re
 import statistics
 import sys
 
-from common import MODELS, log
+from common import MODELS, gemm_shape, log
 
 
 def least_bytes(model: str, T: int, gemm: str) -> int:
     """The e4m3 weights of every expert and the A rows of one GEMM of a layer."""
     m = MODELS[model]
-    n, k = (2 * m.I, m.H) if gemm == "gate_up" else (m.H, m.I)
+    n, k = gemm_shape(m, gemm)
     return m.E * n * k + T * m.top_k * k
 
 

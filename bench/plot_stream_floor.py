@@ -17,7 +17,7 @@ import math
 import statistics
 import sys
 
-from common import MODELS, log, plot_lines, read_json
+from common import MODELS, gemm_shape, log, plot_lines, read_json
 
 
 def floor_points(path: str) -> list[tuple[float, float]]:
@@ -31,7 +31,7 @@ def floor_points(path: str) -> list[tuple[float, float]]:
 
 def gemm_mb(model: str, gemm: str) -> float:
     m = MODELS[model]
-    n, k = (2 * m.I, m.H) if gemm == "gate_up" else (m.H, m.I)
+    n, k = gemm_shape(m, gemm)
     return m.top_k * n * k / 1e6
 
 

@@ -74,11 +74,12 @@ WAYS = ("triton", "ws", "ws_tiles", "ws_down_only", "ws_mid", "ws_col", "ws_nola
         "ws_wide_k2048", "ws_store_mma", "ws_store_rows", "ws_sorted_all", "shipped")
 SHIPPED_LIKE = ("shipped", "ws_nolag", "ws_narrow", "ws_wide_any_k", "ws_wide_k2048", "ws_store_mma",
                 "ws_store_rows", "ws_sorted_all")  # the launch table decides
+GROUP_WAY = re.compile(r"ws_group([1-9]\d*)")  # ws_group<G>: the Gluon GEMM's GROUP_M = G
 
 
 def check_ways(ways: list[str]) -> None:
     """Refuses a way this script does not know (it would time ``shipped`` under its name)."""
-    unknown = [w for w in ways if w not in WAYS and not re.fullmatch(r"ws_group[1-9]\d*", w)]
+    unknown = [w for w in ways if w not in WAYS and not GROUP_WAY.fullmatch(w)]
     if unknown:
         raise ValueError(f"ways: expected names of {WAYS} or ws_group<G>, got {unknown}")
 
@@ -91,7 +92,7 @@ def _way(way: str):
         def patch(module, name, value):
             stack.enter_context(mock.patch.object(module, name, value))
 
-        group = re.fullmatch(r"ws_group([1-9]\d*)", way)
+        group = GROUP_WAY.fullmatch(way)
         if way not in SHIPPED_LIKE and not group:
             stack.enter_context(mock.patch.dict(os.environ, {"FP8_MOE_GLUON": "0" if way == "triton" else "1"}))
         real_call = ws_gemm.ws_gemm_call

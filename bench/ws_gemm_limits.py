@@ -77,8 +77,8 @@ import tempfile
 
 import torch
 
-from common import (MODELS, ExperimentConfig, Runner, log, make_routing, make_weights, markdown_table, parse_sweep,
-                    read_json, time_ms)
+from common import (MODELS, PROJS, ExperimentConfig, Runner, gemm_shape, log, make_routing, make_weights,
+                    markdown_table, parse_sweep, read_json, time_ms)
 from fp8_moe_ops.kernels import gluon_gemm, ws_gemm
 from gemm_ceiling import FP8, dense_blockwise, dense_tensorwise
 
@@ -315,9 +315,10 @@ def main() -> int:
         for name, tokens in (parse_sweep(args.cases) if args.cases else CASES).items():
             model = MODELS[name]
             for T in tokens:
-                for proj, N, K in (("gate_up", 2 * model.I, model.H), ("down", model.H, model.I)):
+                for proj in PROJS:
                     log(f"{name} T={T} {proj}")
-                    run_shape(runner, model, T, proj, N, K, variants, workdir, gen, args.routing)
+                    run_shape(runner, model, T, proj, *gemm_shape(model, proj), variants, workdir, gen,
+                              args.routing)
                     torch.cuda.empty_cache()  # the shape's tensors, freed on return
     runner.save(table(runner, variants))
     return runner.exit_code()

@@ -126,6 +126,9 @@ def test_floor_is_the_larger_term(common):
     assert common.floor_ms(flops, nbytes, slower) == pytest.approx(flops / 1000e12 * 1e3)
     assert common.floor_ms(1.0, nbytes, slower) == pytest.approx(nbytes / 2e12 * 1e3)
     assert common.ceilings_for("h200") is common.H200_CEILINGS
+    assert [common.gemm_shape(m, p) for p in common.PROJS] == [(4096, 7168), (7168, 2048)]
+    with pytest.raises(ValueError, match="expected one of \\('gate_up', 'down'\\), got 'up'"):
+        common.gemm_shape(m, "up")
     with pytest.raises(ValueError, match="expected 'measured' or 'h200', got 'h100'"):
         common.ceilings_for("h100")
 

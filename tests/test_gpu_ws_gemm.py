@@ -49,20 +49,24 @@ DTYPES = {"bf16": (torch.bfloat16, None), "fp16": (torch.float16, None), "bf16->
 
 @pytest.fixture
 def ws_launches(monkeypatch):
-    """The Gluon kernel's launches in the test, counted; ``off()`` runs the Triton kernel."""
+    """The Gluon kernel's launches in the test (``calls``: each one's KernelCall, in
+    order); ``off()`` runs the Triton kernel."""
     monkeypatch.setenv("FP8_MOE_GLUON", "1")
-    count = []
+    calls = []
     real = ws_gemm.ws_gemm_call
 
-    def counted(*a, **kw):
-        count.append(1)
-        return real(*a, **kw)
+    def recorded(*a, **kw):
+        calls.append(real(*a, **kw))
+        return calls[-1]
 
-    monkeypatch.setattr(ws_gemm, "ws_gemm_call", counted)
+    monkeypatch.setattr(ws_gemm, "ws_gemm_call", recorded)
 
     class Launches:
+        def __init__(self):
+            self.calls = calls
+
         def __len__(self):
-            return len(count)
+            return len(calls)
 
         def off(self, fn):
             with monkeypatch.context() as m:
@@ -136,19 +140,11 @@ def test_wide_tiles_whose_expert_ends_anywhere_in_them(static, scales, programs,
     S = int(offsets[-1]) + 77  # rows past offsets[-1]: tail tiles
     x = torch.randn(S, K, generator=gen).to(torch.bfloat16)
     a = torch.rand(E, generator=gen) * 0.01 + 0.002 if static else None
-    calls = []
-    counted = ws_gemm.ws_gemm_call  # the fixture's counting wrapper
-
-    def recorded(*args, **kw):
-        calls.append(counted(*args, **kw))
-        return calls[-1]
-
-    monkeypatch.setattr(ws_gemm, "ws_gemm_call", recorded)
     args = _cuda(x, w, ws, offsets)
     # the forward itself: the op's launch plans do not key on the programs, so they would
     # replay an earlier parametrisation's launches
     got, want = _both(lambda: gemms.grouped_mm(*args, [128, 128], *_cuda(a)), ws_launches)
-    assert calls and all(c.constexprs["WN"] == 2 for c in calls)
+    assert ws_launches.calls and all(c.constexprs["WN"] == 2 for c in ws_launches.calls)
     assert torch.equal(got, want)
     assert not got.isnan().any() and (got[int(offsets[-1]):] == 0).all()
     ref = OPS.grouped_mm(x, w, ws, offsets, [128, 128], a)
@@ -225,24 +221,19 @@ def test_experts_scales_kmajor_equal_row_major_bitwise(case, ws_launches, monkey
     T, E, H, I, k, block, routing = EXPERT_CASES[case]
     args = make_experts_inputs(T, E, H, I, k, block, torch.bfloat16, torch.float32, False, routing, False, seed=T + 1)
     cuda = {name: _cuda(v)[0] for name, v in args.items()}
-    kmajor_flags = []
-    real = ws_gemm.ws_gemm_call  # the fixture's counting wrapper
 
-    def recorded(*a, **kw):
-        call = real(*a, **kw)
-        kmajor_flags.append(call.constexprs["KMAJOR"])
-        return call
+    def kmajor_flags():
+        return [call.constexprs["KMAJOR"] for call in ws_launches.calls]
 
-    monkeypatch.setattr(ws_gemm, "ws_gemm_call", recorded)
     assert experts._kmajor_scales(T * k)
     poison_free_memory()
     kmajor = experts.grouped_experts(**cuda)  # the forward itself: an op's plan of an earlier test would not build it
-    assert kmajor_flags == [True, False], "gate_up K-group major, down row-major"
+    assert kmajor_flags() == [True, False], "gate_up K-group major, down row-major"
     with monkeypatch.context() as m:
         m.setattr(experts, "_kmajor_scales", lambda S: False)
         poison_free_memory()
         row_major = experts.grouped_experts(**cuda)
-    assert kmajor_flags[2:] == [False, False] and len(ws_launches) == 4
+    assert kmajor_flags()[2:] == [False, False] and len(ws_launches) == 4
     assert torch.equal(kmajor, row_major)
     assert not kmajor.isnan().any()
 
