@@ -5,8 +5,9 @@
 Each NCU_JSON is a file of docs/benchmarks written from ``bench/ncu_layers.py``'s Nsight
 Compute runs (``--ways``): {"meta", "runs": [{"command", "kernels"}]} or {"meta",
 "command" in meta, "kernels"}, each kernel a dict with ``way``, ``gemm`` (gate_up / down)
-and ``dram__bytes_read.sum`` as ncu prints it ("9,971,815,424 byte").  A run's case is
-its command's ``--cases model:T``; only the runs of ``--case`` are drawn.  One panel per
+and ``dram__bytes_read.sum`` as ncu prints it ("9,971,815,424 byte").  A kernel's case is
+its own ``case`` ("model:T", where its run's command had several), else its run's
+command's ``--cases model:T``; only the kernels of ``--case`` are drawn.  One panel per
 GEMM: a bar per (file, way), the mean over the way's repeats, and a dashed line at the
 least bytes (the weights of all E experts, E N K, and the S = T top_k rows of A, S K, one
 byte each; scales and the output's writes aside).  Prints the ratios.  No GPU needed.
@@ -42,9 +43,9 @@ def dram_bytes(paths: list[str], case: str) -> dict[str, dict[str, float]]:
         stem = os.path.basename(path).removesuffix(".json")
         for run in runs:
             cases = re.search(r"--cases\s+(\S+)", run["command"])
-            if cases is None or cases[1] != case:
-                continue
             for k in run["kernels"]:
+                if k.get("case", cases and cases[1]) != case:
+                    continue
                 label = f"{stem}: {k['way']}"
                 out.setdefault(k["gemm"], {}).setdefault(label, []).append(
                     float(k["dram__bytes_read.sum"].split()[0].replace(",", "")))

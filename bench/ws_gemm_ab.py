@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python bench/ws_gemm_ab.py --out-dir OUT [--cases "deepseek_v3:4096,8192;..."]
         [--ways triton,ws,ws_tiles,ws_down_only,ws_mid,ws_col,ws_nolag,ws_narrow,ws_wide_any_k,ws_wide_k2048,
-                ws_store_mma,ws_store_rows,ws_sorted_all,ws_group<G>,shipped]
+                ws_row_groups,ws_store_mma,ws_store_rows,ws_sorted_all,ws_group<G>,shipped]
 
 For every case (model, T, dynamic / static activation scales, uniform routing) one
 process times the ``grouped_experts`` forward several ways, on the same inputs:
@@ -26,8 +26,11 @@ process times the ``grouped_experts`` forward several ways, on the same inputs:
 * ``ws_wide_any_k`` / ``ws_wide_k2048``: as ``shipped`` with 128 x 256 output tiles where N
   allows at every K and any rows per expert (``WIDE_MAX_K`` lifted) / only up to K = 2048
   (``WIDE_LONG_MAX_K`` 2048: the limit before the forty-fourth session);
+* ``ws_row_groups``: as ``shipped`` with the Gluon kernel's tiles in groups of the table's
+  ``GROUP_M`` row tiles (``BY_EXPERT`` off), not expert by expert;
 * ``ws_group<G>`` (``ws_group16``, ...): as ``shipped`` with the Gluon kernel's
-  ``GROUP_M`` = G (G row tiles take each column tile in turn) instead of the table's;
+  ``GROUP_M`` = G (G row tiles of an expert take each column tile in turn) instead of
+  the table's;
 * ``ws_store_mma`` / ``ws_store_rows``: as ``shipped`` with the Gluon kernel's output
   stored from the MMA layout (``EPILOGUE`` 0: 4 bytes of a row per store, its form
   before the TMA store) / as whole rows through shared memory everywhere (1: no TMA);
@@ -71,9 +74,9 @@ from fp8_moe_ops.kernels import config, experts, ws_gemm
 CASES = {"deepseek_v3": [4096, 8192, 16384], "qwen3_30b_a3b": [4096, 8192, 16384],
          "mixtral_8x7b": [2048, 4096, 16384]}
 WAYS = ("triton", "ws", "ws_tiles", "ws_down_only", "ws_mid", "ws_col", "ws_nolag", "ws_narrow", "ws_wide_any_k",
-        "ws_wide_k2048", "ws_store_mma", "ws_store_rows", "ws_sorted_all", "shipped")
-SHIPPED_LIKE = ("shipped", "ws_nolag", "ws_narrow", "ws_wide_any_k", "ws_wide_k2048", "ws_store_mma",
-                "ws_store_rows", "ws_sorted_all")  # the launch table decides
+        "ws_wide_k2048", "ws_row_groups", "ws_store_mma", "ws_store_rows", "ws_sorted_all", "shipped")
+SHIPPED_LIKE = ("shipped", "ws_nolag", "ws_narrow", "ws_wide_any_k", "ws_wide_k2048", "ws_row_groups",
+                "ws_store_mma", "ws_store_rows", "ws_sorted_all")  # the launch table decides
 GROUP_WAY = re.compile(r"ws_group([1-9]\d*)")  # ws_group<G>: the Gluon GEMM's GROUP_M = G
 
 
@@ -103,6 +106,8 @@ def _way(way: str):
             patch(ws_gemm, "ws_gemm_call", lambda *a, **kw: real_call(*a, **{**kw, "max_programs": None}))
         if way == "ws_nolag":
             patch(ws_gemm, "LAG", False)
+        if way == "ws_row_groups":
+            patch(ws_gemm, "BY_EXPERT", False)
         if way == "ws_narrow":
             patch(ws_gemm, "WIDE", False)
         if way == "ws_wide_any_k":

@@ -431,11 +431,12 @@ def test_ws_gemm_ab_way_sets_the_gluon_kernels_group_m(common, monkeypatch):
     from fp8_moe_ops.kernels import ws_gemm
 
     seen = []
-    monkeypatch.setattr(ws_gemm, "ws_gemm_call", lambda *a, **kw: seen.append(kw["group_m"]))
-    for way, group_m in (("ws_group16", 16), ("ws_col", 1), ("shipped", 8)):
+    monkeypatch.setattr(ws_gemm, "ws_gemm_call", lambda *a, **kw: seen.append((kw["group_m"], ws_gemm.BY_EXPERT)))
+    for way, group_m, by_expert in (("ws_group16", 16, True), ("ws_col", 1, True), ("ws_row_groups", 8, False),
+                                    ("shipped", 8, True)):
         with ab._way(way):
             ws_gemm.ws_gemm_call(group_m=8)
-        assert seen[-1] == group_m
+        assert seen[-1] == (group_m, by_expert)
     ab.check_ways(["shipped", "ws_group3"])
     with pytest.raises(ValueError, match="got \\['ws_groups', 'fast', 'ws_group0'\\]"):
         ab.check_ways(["shipped", "ws_groups", "fast", "ws_group0"])  # GROUP_M 0 would divide by zero
@@ -624,15 +625,16 @@ def test_plot_dram_takes_the_runs_of_one_case_and_averages_repeats(monkeypatch, 
     assert plot.least_bytes("deepseek_v3", 8192, "gate_up") == 256 * 4096 * 7168 + 8192 * 8 * 7168
     assert plot.least_bytes("deepseek_v3", 8192, "down") == 256 * 7168 * 2048 + 8192 * 8 * 2048
 
-    def kernel(way, gemm, gb):
-        return {"way": way, "gemm": gemm, "dram__bytes_read.sum": f"{gb * 1e9:,.0f} byte"}
+    def kernel(way, gemm, gb, **case):
+        return {"way": way, "gemm": gemm, "dram__bytes_read.sum": f"{gb * 1e9:,.0f} byte", **case}
 
     runs = {"meta": {}, "runs": [
         {"command": "ncu ... python bench/ncu_layers.py --cases deepseek_v3:8192 --ways a;b;a",
          "kernels": [kernel("a", "gate_up", 10), kernel("a", "down", 5), kernel("b", "gate_up", 12),
                      kernel("b", "down", 6), kernel("a", "gate_up", 11), kernel("a", "down", 4)]},
         {"command": "ncu ... --cases deepseek_v3:16384 --ways a", "kernels": [kernel("a", "gate_up", 99)]}]}
-    flat = {"meta": {"command": "ncu ... --cases deepseek_v3:8192 --ways c"}, "kernels": [kernel("c", "down", 3)]}
+    flat = {"meta": {"command": "ncu ... --cases deepseek_v3:8192;mixtral_8x7b:16384 --ways c"},  # a case per kernel
+            "kernels": [kernel("c", "down", 3, case="deepseek_v3:8192"), kernel("c", "down", 7, case="mixtral_8x7b:16384")]}
     (tmp_path / "r.json").write_text(json.dumps(runs))
     (tmp_path / "f.json").write_text(json.dumps(flat))
     got = plot.dram_bytes([str(tmp_path / "r.json"), str(tmp_path / "f.json")], "deepseek_v3:8192")

@@ -123,15 +123,18 @@ def test_grouped_mm_equals_the_triton_kernel_bitwise(case, static, scales, dtype
 WIDE_ROWS = [1, 64, 65, 0, 128, 129, 192, 193, 50]
 
 
+@pytest.mark.parametrize("by_expert", [True, False], ids=["by expert", "row groups"])
 @pytest.mark.parametrize("programs", [None, 3])
 @pytest.mark.parametrize("scales", ["f32", "e8m0"])
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
-def test_wide_tiles_whose_expert_ends_anywhere_in_them(static, scales, programs, ws_launches, monkeypatch):
+def test_wide_tiles_whose_expert_ends_anywhere_in_them(static, scales, programs, by_expert, ws_launches,
+                                                       monkeypatch):
     # 128 x 256 output tiles (9 K steps) whose rows end in the first half, at it, just
     # past it, at the tile's end; tail tiles; programs that take many tiles in turn: the
     # same bits as the Triton kernel's, and the rows past offsets[-1] zero
     if programs is not None:
         monkeypatch.setattr(ws_gemm, "programs", lambda device: programs)
+    monkeypatch.setattr(ws_gemm, "BY_EXPERT", by_expert)  # both tile orders: each tile once
     E, N, K = len(WIDE_ROWS), 512, 1040
     scale_dtype, per_tensor = SCALES[scales]
     gen = torch.Generator().manual_seed(11)
@@ -144,20 +147,24 @@ def test_wide_tiles_whose_expert_ends_anywhere_in_them(static, scales, programs,
     # the forward itself: the op's launch plans do not key on the programs, so they would
     # replay an earlier parametrisation's launches
     got, want = _both(lambda: gemms.grouped_mm(*args, [128, 128], *_cuda(a)), ws_launches)
-    assert ws_launches.calls and all(c.constexprs["WN"] == 2 for c in ws_launches.calls)
+    assert ws_launches.calls
+    assert all(c.constexprs["WN"] == 2 and c.constexprs["BY_EXPERT"] is by_expert for c in ws_launches.calls)
     assert torch.equal(got, want)
     assert not got.isnan().any() and (got[int(offsets[-1]):] == 0).all()
     ref = OPS.grouped_mm(x, w, ws, offsets, [128, 128], a)
     assert rel_err(got.cpu(), ref) < GEMM_BOUND[torch.bfloat16]
 
 
+@pytest.mark.parametrize("by_expert", [True, False], ids=["by expert", "row groups"])
 @pytest.mark.parametrize("programs", [1, 5])
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
 @pytest.mark.parametrize("case", list(GEMM_CASES))
-def test_few_programs_take_every_tile_in_turn(case, static, programs, ws_launches, monkeypatch):
+def test_few_programs_take_every_tile_in_turn(case, static, programs, by_expert, ws_launches, monkeypatch):
     # a persistent launch of 1 or 5 programs: each runs many tiles (tail tiles and the
-    # empty expert's among them) through one ring, its phases carried from tile to tile
+    # empty expert's among them) through one ring, its phases carried from tile to tile,
+    # in either tile order
     monkeypatch.setattr(ws_gemm, "programs", lambda device: programs)
+    monkeypatch.setattr(ws_gemm, "BY_EXPERT", by_expert)
     gen, x, w, ws, a, block = _gemm_inputs(case, static, "f32", torch.bfloat16, seed=7)
     S, E = x.shape[0], w.shape[0]
     args = _cuda(x, w, ws, uneven_offsets(S, E, gen, unrouted=S // 7))

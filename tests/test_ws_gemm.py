@@ -178,6 +178,7 @@ def test_prefill_grouped_gemm_launches_the_ws_kernel(monkeypatch):
     assert list(a_desc.shape) == [4096, 512] and list(w_desc.shape) == [4 * 384, 512]  # (E * N, K) view
     assert a_desc.block_shape == w_desc.block_shape == [128, 128]  # N = 384: not a whole number of wide tiles
     assert call.constexprs["WN"] == 1 and call.constexprs["LAG"] == ws_gemm.LAG
+    assert call.constexprs["BY_EXPERT"] is ws_gemm.BY_EXPERT is True  # tiles in order by expert
     assert call.constexprs["STAGES"] == ws_gemm.STAGES
 
 

@@ -55,6 +55,26 @@ def _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
 
 
 @gluon.jit
+def _expert_coords(tile, cum, total, num_pid_n, GROUP_M: gl.constexpr):
+    """(row tile, column tile) of ``tile`` in the order by expert: expert after expert,
+    its row tiles (from :func:`_expert_tiles`' ``cum``) in groups of ``GROUP_M`` from its
+    first, each group's row tiles taking each column tile in turn; so the tiles that read
+    one weight tile are consecutive, and a group never holds two experts' rows (nor cuts
+    an expert of up to ``GROUP_M`` row tiles).  The tail's row tiles (past the experts'
+    rows) row-major after them.  A group's tiles are those of its row tiles' range times
+    the column tiles, so the row tile ``tile // num_pid_n`` is in ``tile``'s group."""
+    q = tile // num_pid_n
+    passed = cum <= q
+    before = gl.max(gl.where(passed, cum, 0), 0)  # the first row tile of q's expert
+    end = gl.min(gl.where(passed, 2147483647, cum), 0)  # its last + 1 (past the tail: none)
+    first = before + ((q - before) // GROUP_M) * GROUP_M  # q's group's first row tile
+    local = tile - first * num_pid_n
+    tail = q >= total
+    size = gl.where(tail, 1, gl.minimum(end, first + GROUP_M) - first)
+    return gl.where(tail, q, first + local % size), gl.where(tail, tile % num_pid_n, local // size)
+
+
+@gluon.jit
 def _tile_rows(pid_m, cum, total, last, offsets_ptr, S, E, BM: gl.constexpr):
     """(expert, row0, row1, whether it is a tail tile) of row tile ``pid_m``, from
     :func:`_expert_tiles`: the grouped kernel's tile map.  A tail tile (past the
@@ -79,23 +99,23 @@ def _tail_row0(pid_m, total, last, BM: gl.constexpr):
 
 
 @gluon.jit
-def _put_tile(info, s, e, row0, row1):
-    """Writes a tile's expert and rows into ``info``'s slot ``s`` (fields 0, 1, 2), every
-    lane the same values; then a barrier, so that the thread which next arrives at the
-    slot's ``ready`` has made the writes its own."""
+def _put_tile(info, s, e, row0, row1, pid_n):
+    """Writes a tile's expert, rows and column tile into ``info``'s slot ``s`` (fields
+    0-3), every lane the same values; then a barrier, so that the thread which next
+    arrives at the slot's ``ready`` has made the writes its own."""
     field = gl.arange(0, 4, layout=gl.BlockedLayout([4], [32], [gl.num_warps()], [0]))
-    info.index(s).store(gl.where(field == 0, e, gl.where(field == 1, row0, row1)))
+    info.index(s).store(gl.where(field == 0, e, gl.where(field == 1, row0, gl.where(field == 2, row1, pid_n))))
     _cta_barrier()
 
 
 @gluon.jit
 def _get_tile(info, s):
-    """(expert, row0, row1) that :func:`_put_tile` wrote into ``info``'s slot ``s``."""
+    """(expert, row0, row1, column tile) that :func:`_put_tile` wrote into ``info``'s slot ``s``."""
     lay: gl.constexpr = gl.BlockedLayout([4], [32], [gl.num_warps()], [0])
     field = gl.arange(0, 4, layout=lay)
     v = info.index(s).load(lay)
     return (gl.sum(gl.where(field == 0, v, 0), 0), gl.sum(gl.where(field == 1, v, 0), 0),
-            gl.sum(gl.where(field == 2, v, 0), 0))
+            gl.sum(gl.where(field == 2, v, 0), 0), gl.sum(gl.where(field == 3, v, 0), 0))
 
 
 @gluon.jit
@@ -213,7 +233,7 @@ def load_tile(a_desc, w_desc, a_smem, w_smem, ready, empty, row0, wrow, KT, it, 
 @gluon.jit
 def _producer(a_desc, w_desc, a_smem, w_smem, ready, empty, info, as_ptr, as_smem, stride_as, offsets_ptr, S, N, E,
               KT, num_pid_m, EP: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, BK_SCALE: gl.constexpr,
-              COPY_SCALES: gl.constexpr):
+              COPY_SCALES: gl.constexpr, BY_EXPERT: gl.constexpr):
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BN: gl.constexpr = w_desc.block_type.shape[0]
     num_pid_n = gl.cdiv(N, BN)
@@ -221,7 +241,10 @@ def _producer(a_desc, w_desc, a_smem, w_smem, ready, empty, info, as_ptr, as_sme
     cum, total, last = _expert_tiles(offsets_ptr, S, E, BM, EP)
     it = 0  # K steps issued by this program, over all its tiles: the ring's position
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+        if BY_EXPERT:
+            pid_m, pid_n = _expert_coords(tile, cum, total, num_pid_n, GROUP_M)
+        else:
+            pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
         e, row0, row1, tail = _tile_rows(pid_m, cum, total, last, offsets_ptr, S, E, BM)
         kt = gl.where(tail, 0, KT)
         # the tile's expert and rows, for the consumers, beside its first K step (a tail tile has none: the
@@ -230,7 +253,7 @@ def _producer(a_desc, w_desc, a_smem, w_smem, ready, empty, info, as_ptr, as_sme
         if kt > 0:
             s = it % STAGES
             mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1, pred=it >= STAGES)
-            _put_tile(info, s, e, row0, row1)
+            _put_tile(info, s, e, row0, row1, pid_n)
         it = load_tile(a_desc, w_desc, a_smem, w_smem, ready, empty, row0, e * N + pid_n * BN, kt, it, STAGES,
                        as_ptr, as_smem, stride_as, S, BK_SCALE, COPY_SCALES)
 
@@ -240,7 +263,8 @@ def _consumer(a_smem, w_smem, ready, empty, info, c_smem, as_ptr, stride_as, as_
               stride_wsk, out_ptr, stride_om, out_desc, perm_ptr, offsets_ptr, S, N, E, KT, num_pid_m,
               HALF: gl.constexpr, STAGES: gl.constexpr, BN_SCALE: gl.constexpr, BK_SCALE: gl.constexpr,
               STATIC: gl.constexpr, KMAJOR: gl.constexpr, SCATTER_OUT: gl.constexpr, SCALE_E8M0: gl.constexpr,
-              EP: gl.constexpr, GROUP_M: gl.constexpr, LAG: gl.constexpr, EPILOGUE: gl.constexpr, WN: gl.constexpr):
+              EP: gl.constexpr, GROUP_M: gl.constexpr, LAG: gl.constexpr, EPILOGUE: gl.constexpr, WN: gl.constexpr,
+              BY_EXPERT: gl.constexpr):
     BM: gl.constexpr = a_smem.type.shape[1]
     HM: gl.constexpr = BM // 2
     BK: gl.constexpr = a_smem.type.shape[2]
@@ -255,13 +279,20 @@ def _consumer(a_smem, w_smem, ready, empty, info, c_smem, as_ptr, stride_as, as_
     EPC: gl.constexpr = EP if EP > 128 else 128
     total, last = _expert_tiles(offsets_ptr, S, E, BM, EPC)[1:]
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
-        # the expert and rows from the producer, beside the tile's first K step: between two tiles
-        # the consumers read only shared memory; a tail tile, which has no K step, from its index
-        tail = pid_m >= total
+        # the expert, rows and column tile from the producer, beside the tile's first K step:
+        # between two tiles the consumers read only shared memory; a tail tile, which has no K
+        # step, from its index (in the order by expert the tail's tiles come last, row-major)
+        if BY_EXPERT:
+            tail = tile >= total * num_pid_n
+            pid_m = tile // num_pid_n
+            tail_n = tile % num_pid_n
+        else:
+            pid_m, tail_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+            tail = pid_m >= total
         s = it % STAGES
         mbarrier.wait(ready.index(s), (it // STAGES) & 1, pred=~tail)
-        e, row0, row1 = _get_tile(info, s)
+        e, row0, row1, pid_n = _get_tile(info, s)
+        pid_n = gl.where(tail, tail_n, pid_n)
         e = gl.where(tail, 0, e)
         row0 = gl.where(tail, _tail_row0(pid_m, total, last, BM), row0)
         row1 = gl.where(tail, S, row1)
@@ -404,7 +435,7 @@ def _ws_gemm_kernel(
     BN_SCALE: gl.constexpr, BK_SCALE: gl.constexpr, STATIC: gl.constexpr, KMAJOR: gl.constexpr,
     SCATTER_OUT: gl.constexpr, SCALE_E8M0: gl.constexpr, EP: gl.constexpr, GROUP_M: gl.constexpr,
     STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, LAG: gl.constexpr,
-    EPILOGUE: gl.constexpr, WN: gl.constexpr,
+    EPILOGUE: gl.constexpr, WN: gl.constexpr, BY_EXPERT: gl.constexpr,
 ):
     a_smem, w_smem, ready, empty = ring(a_desc, w_desc, STAGES)
     # per ring slot, the expert, first row and end row of the tile whose first K step it holds
@@ -423,13 +454,13 @@ def _ws_gemm_kernel(
         (_consumer, (a_smem, w_smem, ready, empty, info, c_smem, as_ptr, stride_as, as_smem, ws_ptr, stride_wse,
                      stride_wsn, stride_wsk, out_ptr, stride_om, out_desc, perm_ptr, offsets_ptr, S, N, E, KT,
                      num_pid_m, 0, STAGES, BN_SCALE, BK_SCALE, STATIC, COPY_SCALES, SCATTER_OUT, SCALE_E8M0, EP,
-                     GROUP_M, LAG, EPILOGUE, WN)),
+                     GROUP_M, LAG, EPILOGUE, WN, BY_EXPERT)),
         (_consumer, (a_smem, w_smem, ready, empty, info, c_smem, as_ptr, stride_as, as_smem, ws_ptr, stride_wse,
                      stride_wsn, stride_wsk, out_ptr, stride_om, out_desc, perm_ptr, offsets_ptr, S, N, E, KT,
                      num_pid_m, 1, STAGES, BN_SCALE, BK_SCALE, STATIC, COPY_SCALES, SCATTER_OUT, SCALE_E8M0, EP,
-                     GROUP_M, LAG, EPILOGUE, WN)),
+                     GROUP_M, LAG, EPILOGUE, WN, BY_EXPERT)),
         (_producer, (a_desc, w_desc, a_smem, w_smem, ready, empty, info, as_ptr, as_smem, stride_as, offsets_ptr,
-                     S, N, E, KT, num_pid_m, EP, GROUP_M, STAGES, BK_SCALE, COPY_SCALES)),
+                     S, N, E, KT, num_pid_m, EP, GROUP_M, STAGES, BK_SCALE, COPY_SCALES, BY_EXPERT)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     for j in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(j))

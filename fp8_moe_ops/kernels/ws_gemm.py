@@ -31,13 +31,18 @@ taking every grid-th tile in turn through one ring, so the producer loads the ne
 tile's first K steps while the consumers store the last tile's output.  (One program
 per tile, the first form, left each program's ring filling and its output store
 exposed: that made it slower than the Triton kernel at K = 768, and at K = 2048 for
-deepseek_v3's down GEMM in five of eight measured cases.)  The tile map is the grouped
-kernel's: a program finds each tile's (expert, row tile) from the (E,) ``offsets`` (a
-scan of tiles per expert), with ``GROUP_M`` row tiles sharing each weight tile in L2,
-and tiles running at the same time are consecutive.  The producer warp scans once per
-program and finds each tile's expert and rows (one reduction over the scan, two offsets
-read); it leaves them in shared memory beside the tile's first K step, so between two
-tiles the consumers read shared memory, never global memory, before the next MMAs.
+deepseek_v3's down GEMM in five of eight measured cases.)  A program finds each tile's
+(expert, row tile) from the (E,) ``offsets`` (a scan of tiles per expert).  The tiles
+go expert by expert (``BY_EXPERT``), each expert's row tiles in groups of ``GROUP_M``
+from its first, each group taking each column tile in turn: the tiles that read one
+weight tile are consecutive and run at the same time, and no group holds two experts'
+rows.  (The grouped kernel's order, ``GROUP_M`` row tiles whatever their experts, cut
+through routed experts of 2-3 row tiles, and their weight tiles were read from DRAM
+again: 1.24x the least bytes of deepseek_v3's T=8192 gate_up GEMM on an H100, 1.03x by
+expert.)  The producer warp scans once per program and finds each tile's expert, rows
+and column tile (reductions over the scan, two offsets read); it leaves them in shared
+memory beside the tile's first K step, so between two tiles the consumers read shared
+memory, never global memory, before the next MMAs.
 Each consumer stores its half of the tile's output by TMA, from shared memory, where
 the rows are all the tile's and in place (the gate_up GEMM's): the store runs while the
 next tile's MMAs do; scattered rows and a half past its expert's end are stored whole
@@ -102,6 +107,10 @@ WIDE_MAX_K = 2048
 WIDE_LONG_MAX_K = 7168
 WIDE_LONG_MIN_ROWS = 128
 WIDE_STAGES = 3  # 48 KB per slot; with the staging buffers of the output, 208 KB
+# the tile order: expert by expert, each expert's row tiles in groups of the launch table's
+# GROUP_M (gluon_gemm._expert_coords), else in groups of GROUP_M row tiles whatever their
+# experts (gluon_gemm._tile_coords)
+BY_EXPERT = True
 # the output store (gluon_gemm._store_tile): 0 from the MMA layout, 1 whole rows through
 # shared memory, 2 TMA where a tile's rows are its own and in place, else as 1
 EPILOGUE = 2
@@ -211,5 +220,6 @@ def ws_gemm_call(q, q_scale, w, ws, ws_strides, block, out, *, offsets, perm, sc
         S, N, E, triton.cdiv(K, TILE), num_pid_m,
     ), dict(BN_SCALE=block[0], BK_SCALE=block[1], STATIC=static, KMAJOR=kmajor_scales, SCATTER_OUT=scatter_out,
             SCALE_E8M0=e8m0, EP=max(2, next_power_of_2(E)), GROUP_M=group_m, STAGES=STAGES if wn == 1 else WIDE_STAGES,
-            CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, LAG=LAG and wn == 1, EPILOGUE=epilogue, WN=wn),
+            CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, LAG=LAG and wn == 1, EPILOGUE=epilogue, WN=wn,
+            BY_EXPERT=BY_EXPERT),
         dict(num_warps=4))
