@@ -10,7 +10,8 @@ On the GPU machine (ncu reads the counters there; leave the clocks alone):
         --metrics sm__cycles_active.max,sm__cycles_active.min,sm__cycles_active.avg,dram__bytes_read.sum \\
         --csv --page details python bench/ncu_layers.py > OUT/ncu.csv
 
-runs one dynamic-scale layer per case of ``CASES`` (uniform routing, the bench's weights),
+runs one dynamic-scale layer per case of ``CASES`` (uniform routing, the bench's weights;
+``--static``: static activation scales, random, one per expert and GEMM, instead),
 twice outside the profiled range (compiles, launch plans) and once inside it.  ``--cases
 "deepseek_v3:8192"`` runs others; ``--ways "group_m=8;group_m=16"`` runs each case once per
 way (in that order, inside the range; the outputs must be equal bitwise), a way being
@@ -85,20 +86,22 @@ def way_setter(ways: list[dict[str, int]]):
     return set_way
 
 
-def profiled_run(cases, ways) -> None:
+def profiled_run(cases, ways, static: bool = False) -> None:
     import torch
 
     import fp8_moe_ops  # noqa: F401  (registers torch.ops.fp8_moe)
-    from common import BLOCK, MODELS, layer_inputs, layer_weights
+    from common import BLOCK, MODELS, layer_inputs, layer_weights, static_scales
     from fp8_moe_ops.kernels import experts
 
     gen = torch.Generator(device="cuda").manual_seed(5)
     fns = []
     for name, tokens in cases:
         weights = layer_weights(MODELS[name], gen)
+        act = static_scales(MODELS[name], gen) if static else (None, None)
         for T in tokens:
             x, idx, wts = layer_inputs(MODELS[name], T, gen)
-            fns.append(lambda x=x, idx=idx, wts=wts, w=weights: experts.grouped_experts(x, idx, wts, *w, BLOCK, "silu"))
+            fns.append(lambda x=x, idx=idx, wts=wts, w=weights, act=act:
+                       experts.grouped_experts(x, idx, wts, *w, BLOCK, "silu", *act))
     set_way = way_setter(ways)
     for way in ways:
         set_way(way)
@@ -142,6 +145,7 @@ def main() -> int:
     p.add_argument("--cases", default=None, help="model:T,T;... (default: CASES)")
     p.add_argument("--ways", default=None, help="ways of the Gluon GEMM, e.g. group_m=8;group_m=16 (default: one, "
                    "as shipped)")
+    p.add_argument("--static", action="store_true", help="static activation scales (default: dynamic)")
     args = p.parse_args()
     if args.summarize:
         json.dump(summarize(args.summarize), sys.stdout, indent=1)
@@ -154,7 +158,7 @@ def main() -> int:
             ways = parse_ways(args.ways) if args.ways else [{}]
         except ValueError as e:
             p.error(str(e))
-        profiled_run(cases, ways)
+        profiled_run(cases, ways, args.static)
     return 0
 
 
