@@ -211,7 +211,9 @@ def load_tile(a_desc, w_desc, a_smem, w_smem, ready, empty, row0, wrow, KT, it, 
     BM: gl.constexpr = a_desc.block_type.shape[0]
     nbytes: gl.constexpr = a_desc.block_type.nbytes + w_desc.block_type.nbytes
     if COPY_SCALES:
-        lay: gl.constexpr = gl.BlockedLayout([BM // 32], [32], [1], [0])  # the producer is one warp
+        # lane l copies rows l, l + 32, ...: a copy instruction's 32 lanes read 128 adjacent bytes (a tile's
+        # rows start at any row, so each copy is 4 bytes; the producer is one warp)
+        lay: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
         srows = row0 + gl.arange(0, BM, layout=lay)
     for i in range(KT):
         s = it % STAGES
