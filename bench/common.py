@@ -289,6 +289,13 @@ def table_override(table: str) -> None:
     config._table = lambda: patched
 
 
+def ws_launch_with(call: Callable[..., Any], **launch: Any) -> Callable[..., Any]:
+    """``call`` (the Gluon GEMM's ``ws_gemm.ws_gemm_call`` as shipped) with the keyword
+    arguments ``launch`` (``group_m``, ``max_programs``) in place of the caller's: a way of
+    the launch that an experiment sets on ``ws_gemm`` for a run."""
+    return lambda *args, **kwargs: call(*args, **{**kwargs, **launch})
+
+
 SLOT_THRESHOLDS = ("ACT_SLOTS", "COMBINE_SLOTS")  # fp8_moe_ops.kernels.experts: what fuses where
 
 

@@ -72,6 +72,7 @@ def way_setter(ways: list[dict[str, int]]):
     """A function that sets one of ``ways`` on the Gluon GEMM's module, from the shipped
     settings each time: a constant another way changed goes back to its shipped value
     unless this way names it."""
+    from common import ws_launch_with
     from fp8_moe_ops.kernels import ws_gemm
 
     call = ws_gemm.ws_gemm_call
@@ -79,7 +80,7 @@ def way_setter(ways: list[dict[str, int]]):
 
     def set_way(way: dict[str, int]) -> None:
         launch = {name: way[name] or None for name in LAUNCH if name in way}  # max_programs 0: None
-        ws_gemm.ws_gemm_call = (lambda *a, **kw: call(*a, **{**kw, **launch})) if launch else call
+        ws_gemm.ws_gemm_call = ws_launch_with(call, **launch) if launch else call
         for name, value in shipped.items():
             setattr(ws_gemm, name, type(value)(way.get(name, value)))
 

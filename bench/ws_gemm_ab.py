@@ -68,7 +68,7 @@ from unittest import mock
 import torch
 
 from common import (BLOCK, MODELS, ExperimentConfig, GpuClocks, Runner, cuda_events, each_scheme_case, layer_flops,
-                    log, markdown_table, parse_sweep, time_ms)
+                    log, markdown_table, parse_sweep, time_ms, ws_launch_with)
 from fp8_moe_ops.kernels import config, experts, ws_gemm
 
 CASES = {"deepseek_v3": [4096, 8192, 16384], "qwen3_30b_a3b": [4096, 8192, 16384],
@@ -101,9 +101,9 @@ def _way(way: str):
         real_call = ws_gemm.ws_gemm_call
         if way == "ws_col" or group:
             group_m = int(group[1]) if group else 1
-            patch(ws_gemm, "ws_gemm_call", lambda *a, **kw: real_call(*a, **{**kw, "group_m": group_m}))
+            patch(ws_gemm, "ws_gemm_call", ws_launch_with(real_call, group_m=group_m))
         if way == "ws_tiles":
-            patch(ws_gemm, "ws_gemm_call", lambda *a, **kw: real_call(*a, **{**kw, "max_programs": None}))
+            patch(ws_gemm, "ws_gemm_call", ws_launch_with(real_call, max_programs=None))
         if way == "ws_nolag":
             patch(ws_gemm, "LAG", False)
         if way == "ws_row_groups":

@@ -592,7 +592,7 @@ def test_ncu_summary_keeps_each_kernels_named_metrics(monkeypatch, tmp_path):
         {"kernel": "_grouped_gemm_kernel", "DRAM Throughput": "66.70 %", "Grid Size": "560"}]
 
 
-def test_ncu_ways_set_the_gluon_gemm_and_go_back_to_shipped(monkeypatch):
+def test_ncu_ways_set_the_gluon_gemm_and_go_back_to_shipped(common, monkeypatch):
     ncu = _load("ncu_layers", monkeypatch)
     from fp8_moe_ops.kernels import ws_gemm
 
