@@ -23,8 +23,8 @@ from dataclasses import asdict
 
 import torch
 
-from common import (MODELS, ExperimentConfig, Runner, ceilings_for, log, make_routing, parse_sweep, results_table,
-                    time_ms)
+from common import (CEILING_KINDS, MODELS, ExperimentConfig, Runner, ceilings_for, log, make_routing, parse_sweep,
+                    results_table, time_ms)
 from fp8_moe_ops import routing
 from fp8_moe_ops.functional import cdiv
 from fp8_moe_ops.kernels.activation import gated_act_quant_call
@@ -94,7 +94,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out-dir", required=True)
     p.add_argument("--cases", default=None, help="model:T,T;... (default: CASES)")
-    p.add_argument("--ceilings", default="measured", choices=("measured", "h200"))
+    p.add_argument("--ceilings", default="measured", choices=CEILING_KINDS)
     args = p.parse_args()
     runner = Runner("aux_kernels", args.out_dir)
     ceilings = ceilings_for(args.ceilings)

@@ -32,9 +32,10 @@ import torch
 import torch.nn.functional as F
 
 import fp8_moe_ops  # noqa: F401  (registers torch.ops.fp8_moe)
-from common import (BLOCK, MODELS, ROUTINGS, TOKENS, Ceilings, ExperimentConfig, GpuClocks, Runner, ceilings_for,
-                    dequant_bf16, experts_module, floor_ms, graph_ms, layer_flops, layer_inputs, layer_weights, log,
-                    make_weights, markdown_table, plot_lines, read_json, static_scales, time_ms, weight_bytes)
+from common import (BLOCK, CEILING_KINDS, MODELS, ROUTINGS, TOKENS, Ceilings, ExperimentConfig, GpuClocks, Runner,
+                    ceilings_for, dequant_bf16, experts_module, floor_ms, graph_ms, layer_flops, layer_inputs,
+                    layer_weights, log, make_weights, markdown_table, plot_lines, read_json, static_scales, time_ms,
+                    weight_bytes)
 from fp8_moe_ops.routing import sort_slots
 
 OPS = torch.ops.fp8_moe
@@ -248,7 +249,7 @@ def main() -> int:
     p.add_argument("--grouped-op", action="store_true", help="also time the grouped GEMM alone")
     p.add_argument("--copy-from", help="an earlier bench_moe.json (same script, same machine kind)")
     p.add_argument("--copy", default="", help="variants taken from --copy-from instead of run, e.g. eager,bf16")
-    p.add_argument("--ceilings", default="measured", choices=("measured", "h200"),
+    p.add_argument("--ceilings", default="measured", choices=CEILING_KINDS,
                    help="the floor's copy bandwidth and fp8 rate: this GPU's, measured first, or the H200's")
     args = p.parse_args()
     skip = {v for v in args.copy.split(",") if v}

@@ -230,8 +230,12 @@ def measure_ceilings(copy_bytes: int = 1 << 30, n: int = 8192) -> Ceilings:
                     f"measured in this run on {torch.cuda.get_device_name()}")
 
 
+CEILING_KINDS = ("measured", "h200")  # a script's --ceilings
+
+
 def ceilings_for(kind: str) -> Ceilings:
-    """``--ceilings`` of a script: ``measured`` (this GPU, now) or ``h200`` (the constants)."""
+    """``--ceilings`` of a script (:data:`CEILING_KINDS`): ``measured`` (this GPU, now) or
+    ``h200`` (the constants)."""
     if kind == "h200":
         return H200_CEILINGS
     if kind == "measured":

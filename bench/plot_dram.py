@@ -22,7 +22,7 @@ import re
 import statistics
 import sys
 
-from common import MODELS, gemm_shape, log
+from common import MODELS, PROJS, gemm_shape, log
 
 
 def least_bytes(model: str, T: int, gemm: str) -> int:
@@ -62,7 +62,7 @@ def plot(path: str, case: str, data: dict[str, dict[str, float]], caption: str) 
     import matplotlib.pyplot as plt
 
     model, T = case.split(":")
-    gemms = [g for g in ("gate_up", "down") if g in data]
+    gemms = [g for g in PROJS if g in data]
     rows = max(len(data[g]) for g in gemms)
     fig, axes = plt.subplots(1, len(gemms), figsize=(7 * len(gemms), 1.2 + 0.32 * rows), squeeze=False)
     for ax, gemm in zip(axes[0], gemms):
