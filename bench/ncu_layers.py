@@ -29,7 +29,11 @@ Then, anywhere:
 
     python bench/ncu_layers.py --summarize OUT/ncu.csv > OUT/ncu_summary.json
 
-keeps, per kernel, the metrics ``SUMMARY`` names (ncu's CSV is about 250 KB).
+keeps, per kernel, the metrics ``SUMMARY`` names (ncu's CSV is about 250 KB).  Given the
+run's ``--cases`` and ``--ways`` (and ``--static``) beside ``--summarize``, it also labels
+each kernel with its ``way``, ``case`` ("model:T"), ``gemm`` (gate_up / down) and
+``scheme``: for a run whose kernel filter kept the two Gluon GEMMs of each layer only
+(``--kernel-name regex:ws_gemm``, at T where both run), as in the second command.
 """
 
 from __future__ import annotations
@@ -140,6 +144,24 @@ def summarize(path: str) -> list[dict]:
     return list(kernels.values())
 
 
+def label(kernels: list[dict], cases: list[tuple[str, list[int]]], ways: str | None, static: bool) -> list[dict]:
+    """``kernels`` (:func:`summarize`'s, in launch order) with the ``way``, ``case``, ``gemm``
+    and ``scheme`` of each: the profiled range runs each way's layers, case after case,
+    each layer's gate_up GEMM then its down GEMM (:func:`profiled_run`).  Raises
+    ValueError where the kernels are not two Gluon GEMMs per layer."""
+    names = ways.split(";") if ways else ["shipped"]
+    layers = [f"{model}:{T}" for model, tokens in cases for T in tokens]
+    expected = [(way, case, gemm) for way in names for case in layers for gemm in ("gate_up", "down")]
+    gluon = all("ws_gemm" in k["kernel"] for k in kernels)
+    if len(kernels) != len(expected) or not gluon:
+        raise ValueError(f"labels: expected {len(expected)} Gluon GEMM launches ({len(names)} ways x {len(layers)} "
+                         f"layers x gate_up, down), got {len(kernels)} kernels "
+                         f"({sorted({k['kernel'] for k in kernels})})")
+    scheme = "static" if static else "dynamic"
+    return [{"way": way, "case": case, "gemm": gemm, "scheme": scheme, **k}
+            for (way, case, gemm), k in zip(expected, kernels)]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--summarize", metavar="CSV", help="summarise ncu's CSV instead of running the layers")
@@ -148,13 +170,22 @@ def main() -> int:
                    "as shipped)")
     p.add_argument("--static", action="store_true", help="static activation scales (default: dynamic)")
     args = p.parse_args()
-    if args.summarize:
-        json.dump(summarize(args.summarize), sys.stdout, indent=1)
-        print()
-    else:
+    if args.cases:
         from common import parse_sweep
 
-        cases = list(parse_sweep(args.cases).items()) if args.cases else CASES
+        cases = list(parse_sweep(args.cases).items())
+    else:
+        cases = CASES
+    if args.summarize:
+        kernels = summarize(args.summarize)
+        if args.cases or args.ways:
+            try:
+                kernels = label(kernels, cases, args.ways, args.static)
+            except ValueError as e:
+                p.error(str(e))
+        json.dump(kernels, sys.stdout, indent=1)
+        print()
+    else:
         try:
             ways = parse_ways(args.ways) if args.ways else [{}]
         except ValueError as e:

@@ -592,6 +592,25 @@ def test_ncu_summary_keeps_each_kernels_named_metrics(monkeypatch, tmp_path):
         {"kernel": "_grouped_gemm_kernel", "DRAM Throughput": "66.70 %", "Grid Size": "560"}]
 
 
+def test_ncu_labels_follow_the_profiled_order_of_ways_cases_and_gemms(monkeypatch):
+    ncu = _load("ncu_layers", monkeypatch)
+    kernels = [{"kernel": "_ws_gemm_kernel", "gpu__time_duration.sum": f"{i} ns"} for i in range(8)]
+    got = ncu.label(kernels, [("deepseek_v3", [8192, 16384])], "BY_EXPERT=0;BY_EXPERT=1", static=True)
+    assert [(k["way"], k["case"], k["gemm"], k["gpu__time_duration.sum"]) for k in got] == [
+        ("BY_EXPERT=0", "deepseek_v3:8192", "gate_up", "0 ns"), ("BY_EXPERT=0", "deepseek_v3:8192", "down", "1 ns"),
+        ("BY_EXPERT=0", "deepseek_v3:16384", "gate_up", "2 ns"), ("BY_EXPERT=0", "deepseek_v3:16384", "down", "3 ns"),
+        ("BY_EXPERT=1", "deepseek_v3:8192", "gate_up", "4 ns"), ("BY_EXPERT=1", "deepseek_v3:8192", "down", "5 ns"),
+        ("BY_EXPERT=1", "deepseek_v3:16384", "gate_up", "6 ns"), ("BY_EXPERT=1", "deepseek_v3:16384", "down", "7 ns")]
+    assert {k["scheme"] for k in got} == {"static"}
+    one = ncu.label(kernels[:2], [("mixtral_8x7b", [16384])], None, static=False)
+    assert [(k["way"], k["scheme"]) for k in one] == [("shipped", "dynamic")] * 2
+    with pytest.raises(ValueError, match="expected 4 Gluon GEMM launches .* got 8 kernels"):
+        ncu.label(kernels, [("deepseek_v3", [8192])], "a;b", static=False)
+    mixed = kernels[:3] + [{"kernel": "_gated_act_quant_kernel"}]
+    with pytest.raises(ValueError, match="_gated_act_quant_kernel"):
+        ncu.label(mixed, [("deepseek_v3", [8192])], "a;b", static=False)
+
+
 def test_ncu_ways_set_the_gluon_gemm_and_go_back_to_shipped(common, monkeypatch):
     ncu = _load("ncu_layers", monkeypatch)
     from fp8_moe_ops.kernels import ws_gemm
