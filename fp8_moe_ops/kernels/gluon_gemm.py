@@ -285,12 +285,11 @@ def _consumer(a_smem, w_smem, ready, empty, info, c_smem, as_ptr, stride_as, as_
         # between two tiles the consumers read only shared memory; a tail tile, which has no K
         # step, from its index (in the order by expert the tail's tiles come last, row-major)
         if BY_EXPERT:
-            tail = tile >= total * num_pid_n
             pid_m = tile // num_pid_n
             tail_n = tile % num_pid_n
         else:
             pid_m, tail_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
-            tail = pid_m >= total
+        tail = pid_m >= total
         s = it % STAGES
         mbarrier.wait(ready.index(s), (it // STAGES) & 1, pred=~tail)
         e, row0, row1, pid_n = _get_tile(info, s)
