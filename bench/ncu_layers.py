@@ -49,7 +49,10 @@ SUMMARY = ("Duration", "DRAM Throughput", "Compute (SM) Throughput", "Registers 
            "Waves Per SM", "Block Limit Registers", "Block Limit Shared Mem", "Achieved Occupancy",
            "sm__cycles_active.max", "sm__cycles_active.min", "sm__cycles_active.avg", "dram__bytes_read.sum",
            "Issue Slots Busy", "No Eligible", "Warp Cycles Per Issued Instruction", "gpu__time_duration.sum",
-           "lts__t_bytes.sum", "lts__t_sector_hit_rate.pct")
+           "lts__t_bytes.sum", "lts__t_sector_hit_rate.pct", "sm__cycles_elapsed.avg.per_second",
+           "lts__t_sectors_srcunit_tex.sum", "lts__t_sectors_srcunit_ltcfabric.sum",
+           "lrc__request_sectors_op_read_coalescable.sum",
+           "lrc__request_sectors_op_read_coalescing_achieved_type_hardware.sum")
 LAUNCH = ("group_m", "max_programs")  # ws_gemm_call's keyword arguments a way may set
 
 
