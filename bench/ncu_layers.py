@@ -181,7 +181,7 @@ def main() -> int:
         cases = CASES
     if args.summarize:
         kernels = summarize(args.summarize)
-        if args.cases or args.ways:
+        if args.cases or args.ways or args.static:  # the run's own arguments: label its kernels
             try:
                 kernels = label(kernels, cases, args.ways, args.static)
             except ValueError as e:
