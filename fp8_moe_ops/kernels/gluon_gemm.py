@@ -55,50 +55,41 @@ def _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
 
 
 @gluon.jit
-def _expert_of(pid_m, cum, E):
-    """(expert, its first row tile) of row tile ``pid_m``, from :func:`_expert_tiles`'
-    ``cum``: the number of experts whose row tiles all come before ``pid_m`` (the first
-    with a tile past it, so one with rows), and the cumsum before it, in one reduction."""
-    passed = cum <= pid_m
-    e, before = gl.reduce((passed.to(gl.int32), gl.where(passed, cum, 0)), 0, _add_max)
-    return gl.minimum(e, E - 1), before
-
-
-@gluon.jit
-def _expert_rows(e, offsets_ptr, S):
-    """The rows [start, stop) of expert ``e`` (clipped to S, as :func:`_expert_tiles` clips them)."""
-    start = gl.minimum(gl.load(offsets_ptr + e - 1, mask=e > 0, other=0).to(gl.int32), S)
-    return start, gl.maximum(gl.minimum(gl.load(offsets_ptr + e).to(gl.int32), S), start)
-
-
-@gluon.jit
-def _expert_coords(tile, before, tiles, total, num_pid_n, GROUP_M: gl.constexpr):
-    """(row tile, column tile) of ``tile`` in the order by expert, given the first row
-    tile ``before`` and the row tiles ``tiles`` of row tile ``tile // num_pid_n``'s
-    expert (:func:`_expert_of`): expert after expert, its row tiles in groups of
-    ``GROUP_M`` from its first, each group's row tiles taking each column tile in turn;
-    so the tiles that read one weight tile are consecutive, and a group never holds two
-    experts' rows (nor cuts an expert of up to ``GROUP_M`` row tiles).  The tail's row
-    tiles (past the experts' rows) row-major after them.  A group's tiles are those of
-    its row tiles' range times the column tiles, so the row tile ``tile // num_pid_n``
-    is in ``tile``'s group, and its expert is the tile's."""
+def _expert_coords(tile, cum, total, num_pid_n, GROUP_M: gl.constexpr):
+    """(row tile, column tile) of ``tile`` in the order by expert: expert after expert,
+    its row tiles (from :func:`_expert_tiles`' ``cum``) in groups of ``GROUP_M`` from its
+    first, each group's row tiles taking each column tile in turn; so the tiles that read
+    one weight tile are consecutive, and a group never holds two experts' rows (nor cuts
+    an expert of up to ``GROUP_M`` row tiles).  The tail's row tiles (past the experts'
+    rows) row-major after them.  A group's tiles are those of its row tiles' range times
+    the column tiles, so the row tile ``tile // num_pid_n`` is in ``tile``'s group."""
     q = tile // num_pid_n
+    passed = cum <= q
+    before = gl.max(gl.where(passed, cum, 0), 0)  # the first row tile of q's expert
+    end = gl.min(gl.where(passed, 2147483647, cum), 0)  # its last + 1 (past the tail: none)
     first = before + ((q - before) // GROUP_M) * GROUP_M  # q's group's first row tile
     local = tile - first * num_pid_n
     tail = q >= total
-    size = gl.where(tail, 1, gl.minimum(before + tiles, first + GROUP_M) - first)
+    size = gl.where(tail, 1, gl.minimum(end, first + GROUP_M) - first)
     return gl.where(tail, q, first + local % size), gl.where(tail, tile % num_pid_n, local // size)
 
 
 @gluon.jit
-def _tile_rows(pid_m, start, stop, before, total, last, S, BM: gl.constexpr):
-    """(row0, row1, whether it is a tail tile) of row tile ``pid_m``, of the expert
-    whose rows are [start, stop) and first row tile ``before``: the grouped kernel's
-    tile map.  A tail tile (past the experts' rows) runs no K step over [row0, S) and so
-    stores zeros."""
+def _tile_rows(pid_m, cum, total, last, offsets_ptr, S, E, BM: gl.constexpr):
+    """(expert, row0, row1, whether it is a tail tile) of row tile ``pid_m``, from
+    :func:`_expert_tiles`: the grouped kernel's tile map.  A tail tile (past the
+    experts' rows) runs no K step over [row0, S) and so stores zeros."""
+    # the expert: the number of experts whose row tiles all come before pid_m (the first
+    # with a tile past it, so one with rows); and the cumsum before it, in one reduction
+    passed = cum <= pid_m
+    e, before = gl.reduce((passed.to(gl.int32), gl.where(passed, cum, 0)), 0, _add_max)
+    e = gl.minimum(e, E - 1)
+    row0 = gl.minimum(gl.load(offsets_ptr + e - 1, mask=e > 0, other=0).to(gl.int32), S) + (pid_m - before) * BM
+    row1 = gl.minimum(gl.load(offsets_ptr + e).to(gl.int32), S)
     tail = pid_m >= total
-    row0 = gl.where(tail, _tail_row0(pid_m, total, last, BM), start + (pid_m - before) * BM)
-    return row0, gl.where(tail, S, stop), tail
+    row0 = gl.where(tail, _tail_row0(pid_m, total, last, BM), row0)
+    row1 = gl.where(tail, S, row1)
+    return e, row0, row1, tail
 
 
 @gluon.jit
@@ -253,14 +244,10 @@ def _producer(a_desc, w_desc, a_smem, w_smem, ready, empty, info, as_ptr, as_sme
     it = 0  # K steps issued by this program, over all its tiles: the ring's position
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         if BY_EXPERT:
-            e, before = _expert_of(tile // num_pid_n, cum, E)
-            start, stop = _expert_rows(e, offsets_ptr, S)
-            pid_m, pid_n = _expert_coords(tile, before, (stop - start + BM - 1) // BM, total, num_pid_n, GROUP_M)
+            pid_m, pid_n = _expert_coords(tile, cum, total, num_pid_n, GROUP_M)
         else:
             pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
-            e, before = _expert_of(pid_m, cum, E)
-            start, stop = _expert_rows(e, offsets_ptr, S)
-        row0, row1, tail = _tile_rows(pid_m, start, stop, before, total, last, S, BM)
+        e, row0, row1, tail = _tile_rows(pid_m, cum, total, last, offsets_ptr, S, E, BM)
         kt = gl.where(tail, 0, KT)
         # the tile's expert and rows, for the consumers, beside its first K step (a tail tile has none: the
         # consumers know it from the tile's index); written once the slot is free, before its loads
