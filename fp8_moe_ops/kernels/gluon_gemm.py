@@ -146,9 +146,10 @@ def _act_scale(row_scale, as_smem, it, rmask, a_s, HALF: gl.constexpr, STAGES: g
     """The rows' activation scales of ring position ``it`` (read once its ``ready``
     barrier has passed): K-group major, those the producer copied beside the step's A
     tile (0 for rows past the tile's expert); row-major, ``row_scale``
-    (:func:`_row_scale`); static, ``a_s`` (the expert's)."""
+    (:func:`_row_scale`); static, the expert's, read through ``a_s`` (each row's pointer to
+    it; 0 for rows past the tile's expert)."""
     if STATIC:
-        return a_s
+        return gl.load(a_s, mask=rmask, other=0.0)
     elif KMAJOR:
         HM: gl.constexpr = rmask.type.shape[0]
         v = as_smem.index(it % STAGES).slice(HALF * HM, HM).load(rmask.type.layout)
@@ -303,8 +304,10 @@ def _consumer(a_smem, w_smem, ready, empty, info, c_smem, as_ptr, stride_as, as_
         rows = row0 + HALF * HM + gl.arange(0, HM, layout=gl.SliceLayout(1, mma))
         rmask = rows < row1
         if STATIC:
-            # the expert's scale once per row, as the grouped kernel's static tiles read it
-            a_s = gl.load(as_ptr + e + 0 * rows, mask=rmask, other=0.0)
+            # the expert's scale once per row, as the grouped kernel's static tiles read it, at each K step
+            # (an L1 hit) as the dynamic scheme's rows read theirs: held across the K loop, the scattered
+            # 128 x 256 form left ptxas short of registers (local memory inside the loop, sm_90a)
+            a_s = as_ptr + e + 0 * rows
         else:
             a_s = 0.0  # unused: the rows' own scales are read per K step
         ROW_MAJOR: gl.constexpr = not STATIC and not KMAJOR
