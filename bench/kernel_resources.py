@@ -155,6 +155,7 @@ def table(runner: Runner) -> str:
                                  ("spilled B", "spill_bytes", ""), ("shared B", "shared_bytes", ""),
                                  ("warps", "warps", ""), ("programs", "programs", ""),
                                  ("SASS instructions", "instructions", ""), ("div.rn", "divisions", ""),
+                                 ("LDL/STL in MMA loops", "mma_loop_local_ops", ""),
                                  ("error", "error", "")])
 
 
