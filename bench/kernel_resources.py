@@ -100,7 +100,7 @@ def sass_counts(sass: str) -> dict:
     main = ops[: last_exit + 1]
     # a loop: a branch back to an address before it, [target, branch]
     loops = [(int(to, 16), int(at, 16)) for at, to in
-             re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?BRA\s+(?:`\()?0x([0-9a-f]+)", sass)
+             re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?BRA\s+0x([0-9a-f]+)", sass)
              if int(to, 16) < int(at, 16)]
     mma_loops = set()
     for at, op in code:

@@ -511,6 +511,31 @@ def test_kernel_resources_compiles_a_launch_for_sm90_without_a_gpu():
     assert (act["divisions"], combine["divisions"]) == (4, 0)
 
 
+def test_sass_counts_local_memory_in_the_innermost_loops_around_mmas_only(common, monkeypatch):
+    kr = _load("kernel_resources", monkeypatch)
+    sass = """
+        /*0000*/                   LDL R3, [R1] ;
+        /*0010*/                   STL [R1+0x4], R3 ;
+        /*0020*/                   WARPGROUP.ARRIVE ;
+        /*0030*/                   QGMMA.64x128x32.F32.E4M3.E4M3 R24, gdesc[UR16], RZ, !UPT ;
+        /*0040*/                   LDL R5, [R1+0x8] ;
+        /*0050*/               @P1 BRA 0x20 ;
+        /*0060*/                   STL [R1+0xc], R5 ;
+        /*0070*/                   LDL R6, [R1+0x10] ;
+        /*0080*/              @!P0 BRA 0x70 ;
+        /*0090*/                   STL [R1+0x14], R6 ;
+        /*00a0*/              @!P2 BRA 0x0 ;
+        /*00b0*/                   FCHK P0, R2, R3 ;
+        /*00c0*/                   EXIT ;
+        /*00d0*/                   BRA 0xd0 ;
+        /*00e0*/                   NOP ;
+    """
+    # the loop [0x20, 0x50] holds the MMA and one local load; the loop [0x70, 0x80] holds
+    # a load but no MMA; the outer loop [0x0, 0xa0] holds both, but is not the innermost
+    # around the MMA; the branch to itself after EXIT is not a loop back
+    assert kr.sass_counts(sass) == {"instructions": 13, "divisions": 1, "mma_loop_local_ops": 1}
+
+
 def test_decode_forms_fit_their_programs_per_sm_on_sm90():
     # the launch table's per_sm (programs of 4 warps per SM) for both forms of the decode
     # entry, compiled for sm_90a: deepseek_v3 T=2's gate_up takes the entry's own form
