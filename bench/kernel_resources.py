@@ -93,22 +93,23 @@ def sass_counts(sass: str) -> dict:
     range check each), and ``mma_loop_local_ops``, the local-memory loads and stores
     (``LDL`` / ``STL``: spills) inside the innermost loops around its warpgroup MMAs (a
     Gluon GEMM's K loops; each such load or store runs at every K step)."""
-    code = [(int(at, 16), op) for at, op in
-            re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass)]
-    ops = [op for _, op in code]
+    # (address, opcode, operands) of each instruction
+    code = [(int(at, 16), op, args) for at, op, args in
+            re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*)", sass)]
+    ops = [op for _, op, _ in code]
     last_exit = max((i for i, op in enumerate(ops) if op == "EXIT"), default=len(ops) - 1)
     main = ops[: last_exit + 1]
     # a loop: a branch back to an address before it, [target, branch]
-    loops = [(int(to, 16), int(at, 16)) for at, to in
-             re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?BRA\s+0x([0-9a-f]+)", sass)
-             if int(to, 16) < int(at, 16)]
+    targets = [(int(to.group(1), 16), at) for at, op, args in code
+               if op == "BRA" and (to := re.match(r"\s+0x([0-9a-f]+)", args))]
+    loops = [(to, at) for to, at in targets if to < at]
     mma_loops = set()
-    for at, op in code:
+    for at, op, _ in code:
         if "GMMA" in op:
             around = [lp for lp in loops if lp[0] <= at <= lp[1]]
             if around:
                 mma_loops.add(min(around, key=lambda lp: lp[1] - lp[0]))
-    local = sum(op.startswith(("LDL", "STL")) and any(a <= at <= b for a, b in mma_loops) for at, op in code)
+    local = sum(op.startswith(("LDL", "STL")) and any(a <= at <= b for a, b in mma_loops) for at, op, _ in code)
     return {"instructions": sum(op != "NOP" for op in main), "divisions": sum(op.startswith("FCHK") for op in main),
             "mma_loop_local_ops": local}
 
