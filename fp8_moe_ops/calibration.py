@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import torch
 from torch import nn
@@ -40,13 +40,35 @@ def _check_finite(m: nn.Module, name: str) -> None:
                      f"({type(m).__name__}): {what}; no static scale can represent it")
 
 
+def _run_batch(model: nn.Module, batch, batches, index: int) -> None:
+    """``model(*batch)``, or ``model(batch)`` for a single tensor.  Where the first batch
+    is a tensor of a tuple or list of tensors and the call raises ``TypeError`` (a
+    module that takes several arguments), the tuple was most likely one batch passed
+    alone: the error says so."""
+    if isinstance(batch, (tuple, list)):
+        model(*batch)
+        return
+    try:
+        model(batch)
+    except TypeError as exc:
+        if index == 0 and isinstance(batches, (tuple, list)) and len(batches) > 1 \
+                and all(isinstance(b, torch.Tensor) for b in batches):
+            raise TypeError(f"calibration_batches: expected an iterable of batches, got a {type(batches).__name__} "
+                            f"of {len(batches)} tensors, each run as a batch alone (model(tensor) raised: {exc}); "
+                            f"to calibrate on one batch of several arguments, wrap it in a list: "
+                            f"[(hidden, top_k_index, top_k_weights)]") from exc
+        raise
+
+
 @torch.no_grad()
 def calibrate_static_scales(model: nn.Module, calibration_batches: Iterable) -> nn.Module:
     """Switches every ``FP8Linear`` / ``FP8Experts`` in ``model`` to static activation scales.
 
     Runs ``model(*batch)`` for each batch (a tuple of positional arguments, or a single
-    tensor) with the current (dynamic) scheme, records the largest absolute input of
-    every linear and, per expert, of the gate_up and down projections, then sets
+    tensor; ``calibration_batches`` is an iterable of batches, and one batch passed
+    alone, a tensor or a mapping, is refused: wrap it in a list) with the current
+    (dynamic) scheme, records the largest absolute input of every linear and, per
+    expert, of the gate_up and down projections, then sets
     ``activation_scheme = "static"`` with scale ``amax / 448`` (the dequant multiplier).
     Returns ``model``, modified in place.  A NaN or an infinity in any recorded input
     raises ``ValueError`` naming the module and the projection, and leaves every module
@@ -58,6 +80,10 @@ def calibrate_static_scales(model: nn.Module, calibration_batches: Iterable) -> 
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
+    if isinstance(calibration_batches, (torch.Tensor, Mapping)):
+        # iterating one batch would feed the model its rows (or its keys) as batches
+        raise TypeError(f"calibration_batches: expected an iterable of batches (wrap a single batch in a list: "
+                        f"[x] or [(hidden, top_k_index, top_k_weights)]), got {type(calibration_batches).__name__}")
     names = {m: name for name, m in model.named_modules() if isinstance(m, (FP8Linear, FP8Experts))}
     targets = list(names)
     if not targets:
@@ -72,7 +98,7 @@ def calibrate_static_scales(model: nn.Module, calibration_batches: Iterable) -> 
     seen = 0
     try:
         for batch in calibration_batches:
-            model(*batch) if isinstance(batch, (tuple, list)) else model(batch)
+            _run_batch(model, batch, calibration_batches, seen)
             seen += 1
         if seen == 0:
             raise ValueError("calibration_batches: expected at least one batch, got none")

@@ -189,7 +189,8 @@ def check_experts(hidden, top_k_index, top_k_weights, gate_up_proj, gate_up_scal
     if two_i % 2:
         fail(ValueError, "gate_up_proj", "an even dim 1 (gate rows then up rows, 2 * I)", shape_str(gate_up_proj))
     if h_in != H:
-        fail(ValueError, "gate_up_proj", f"shape (E, 2I, {H}) (H from hidden)", shape_str(gate_up_proj))
+        fail(ValueError, "gate_up_proj", f"shape (E, 2I, {H}) (H from hidden, of {shape_str(hidden)})",
+             shape_str(gate_up_proj))
     if tuple(down_proj.shape) != (E, H, two_i // 2):
         fail(ValueError, "down_proj", f"shape {(E, H, two_i // 2)} (E, H, I from gate_up_proj and hidden)", shape_str(down_proj))
     _check_experts_options(E, activation, gate_up_act_scale, down_act_scale, swiglu_limit)
@@ -550,7 +551,8 @@ def check_experts_list(hidden, top_k_index, top_k_weights, gate_up_proj, gate_up
     _check_weight_list("down_proj", down_proj, "down_scale_inv", down_scale_inv, block_size, E)
     h_out, I = down_proj[0].shape
     if h_out != H:
-        fail(ValueError, "down_proj[0]", f"shape ({H}, I) (H from hidden)", shape_str(down_proj[0]))
+        fail(ValueError, "down_proj[0]", f"shape ({H}, I) (H from hidden, of {shape_str(hidden)})",
+             shape_str(down_proj[0]))
     if len(gate_up_proj) not in (E, 2 * E):
         fail(ValueError, "gate_up_proj", f"{E} fused (2I, H) tensors or {2 * E} separate (I, H) "
               f"(E = {E} from down_proj)", f"{len(gate_up_proj)}")

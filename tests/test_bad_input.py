@@ -101,6 +101,9 @@ EXPERTS_BAD = [
     (dict(down_proj=torch.zeros(3, 64, 8, dtype=torch.float8_e4m3fn)), ValueError, "down_proj: expected shape"),
     (dict(gate_up_proj=torch.zeros(3, 33, 64, dtype=torch.float8_e4m3fn), gate_up_scale_inv=torch.ones(3, 2, 2)),
      ValueError, "gate_up_proj: expected an even"),
+    # H disagrees: the message shows hidden's shape beside the weight's, either may be the wrong one
+    (dict(hidden=torch.randn(4, 48)), ValueError,
+     r"gate_up_proj: expected shape \(E, 2I, 48\) \(H from hidden, of shape \(4, 48\)\), got shape \(3, 32, 64\)"),
 ]
 
 
@@ -242,8 +245,28 @@ CONSTRUCT_BAD = [
     (lambda: gated_activation(torch.randn(2, 4), ["silu"]), ValueError, r"activation: expected one of .*, got \['silu'\]"),
     (lambda: gated_activation(torch.randn(2, 4), "silu", -1.0), ValueError, "swiglu_limit: expected None or a positive"),
     (lambda: fp8_moe_ops.calibrate_static_scales(_experts(), []), ValueError, "calibration_batches"),
+    # one batch alone: iterating it would run its rows, or its keys, as batches
+    (lambda: fp8_moe_ops.calibrate_static_scales(_experts(), torch.randn(4, 64)), TypeError,
+     r"calibration_batches: expected an iterable of batches \(wrap a single batch in a list: .*\), got Tensor"),
+    (lambda: fp8_moe_ops.calibrate_static_scales(_experts(), {"hidden": torch.randn(4, 64)}), TypeError,
+     r"calibration_batches: expected an iterable of batches .*, got dict"),
     (lambda: fp8_moe_ops.convert_linears([nn.Linear(2, 2)]), TypeError, "model: expected an nn.Module"),
 ]
+
+
+def test_calibration_of_one_experts_batch_not_in_a_list_says_so_and_leaves_the_module_dynamic():
+    # (hidden, top_k_index, top_k_weights) passed alone: each tensor would be a batch of its own, and
+    # FP8Experts cannot take one tensor; the error names the argument and the fix
+    m = _experts()
+    batch = _routing()
+    with pytest.raises(TypeError, match=r"calibration_batches: expected an iterable of batches, got a tuple of 3 "
+                                        r"tensors, each run as a batch alone \(model\(tensor\) raised: .*\); .*wrap it "
+                                        r"in a list"):
+        fp8_moe_ops.calibrate_static_scales(m, batch)
+    assert m.activation_scheme == "dynamic"
+    # the same batch in a list calibrates
+    fp8_moe_ops.calibrate_static_scales(m, [batch])
+    assert m.activation_scheme == "static"
 
 
 @pytest.mark.parametrize("build,exc,match", CONSTRUCT_BAD)

@@ -98,7 +98,7 @@ BAD = [
     (lambda a: dict(a, down_proj=[], down_scale_inv=[]), ValueError, "down_proj: expected a non-empty list"),
     (lambda a: dict(a, hidden=a["hidden"][:, :48], gate_up_proj=[w[:, :48].contiguous() for w in a["gate_up_proj"]],
                     gate_up_scale_inv=[s[:, :3].contiguous() for s in a["gate_up_scale_inv"]]), ValueError,
-     r"down_proj\[0\]: expected shape \(48, I\)"),                                          # H mismatch
+     r"down_proj\[0\]: expected shape \(48, I\) \(H from hidden, of shape \(5, 48\)\)"),            # H mismatch
     (lambda a: dict(a, gate_up_proj=[w[:48].contiguous() for w in a["gate_up_proj"]],
                     gate_up_scale_inv=[s[:3].contiguous() for s in a["gate_up_scale_inv"]]), ValueError,
      r"gate_up_proj\[0\]: expected shape \(64, 64\)"),                                       # 2I mismatch
