@@ -41,10 +41,10 @@ def _check_finite(m: nn.Module, name: str) -> None:
 
 
 def _run_batch(model: nn.Module, batch, batches, index: int) -> None:
-    """``model(*batch)``, or ``model(batch)`` for a single tensor.  Where the first batch
-    is a tensor of a tuple or list of tensors and the call raises ``TypeError`` (a
-    module that takes several arguments), the tuple was most likely one batch passed
-    alone: the error says so."""
+    """``model(*batch)``, or ``model(batch)`` for a single tensor (``index``: the batch's
+    place in ``batches``).  Where ``batches`` is a tuple or list of tensors and running
+    its first alone raises ``TypeError`` (a module that takes several arguments), it was
+    most likely one batch passed alone: the error says so."""
     if isinstance(batch, (tuple, list)):
         model(*batch)
         return

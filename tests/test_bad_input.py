@@ -102,7 +102,7 @@ EXPERTS_BAD = [
     (dict(gate_up_proj=torch.zeros(3, 33, 64, dtype=torch.float8_e4m3fn), gate_up_scale_inv=torch.ones(3, 2, 2)),
      ValueError, "gate_up_proj: expected an even"),
     # H disagrees: the message shows hidden's shape beside the weight's, either may be the wrong one
-    (dict(hidden=torch.randn(4, 48)), ValueError,
+    (dict(hidden=torch.zeros(4, 48)), ValueError,
      r"gate_up_proj: expected shape \(E, 2I, 48\) \(H from hidden, of shape \(4, 48\)\), got shape \(3, 32, 64\)"),
 ]
 
@@ -246,9 +246,9 @@ CONSTRUCT_BAD = [
     (lambda: gated_activation(torch.randn(2, 4), "silu", -1.0), ValueError, "swiglu_limit: expected None or a positive"),
     (lambda: fp8_moe_ops.calibrate_static_scales(_experts(), []), ValueError, "calibration_batches"),
     # one batch alone: iterating it would run its rows, or its keys, as batches
-    (lambda: fp8_moe_ops.calibrate_static_scales(_experts(), torch.randn(4, 64)), TypeError,
+    (lambda: fp8_moe_ops.calibrate_static_scales(_experts(), torch.zeros(4, 64)), TypeError,
      r"calibration_batches: expected an iterable of batches \(wrap a single batch in a list: .*\), got Tensor"),
-    (lambda: fp8_moe_ops.calibrate_static_scales(_experts(), {"hidden": torch.randn(4, 64)}), TypeError,
+    (lambda: fp8_moe_ops.calibrate_static_scales(_experts(), {"hidden": torch.zeros(4, 64)}), TypeError,
      r"calibration_batches: expected an iterable of batches .*, got dict"),
     (lambda: fp8_moe_ops.convert_linears([nn.Linear(2, 2)]), TypeError, "model: expected an nn.Module"),
 ]
