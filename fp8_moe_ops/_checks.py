@@ -8,7 +8,7 @@ or shape) whose message names the argument and says what was expected and what c
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -75,6 +75,15 @@ def check_choice(name: str, value: object, choices: Sequence[str]) -> str:
     if not isinstance(value, str) or value not in choices:
         fail(ValueError, name, f"one of {tuple(choices)}", repr(value))
     return value
+
+
+def check_batches(batches: object, example: str, name: str = "calibration_batches") -> None:
+    """Refuses one batch passed where an iterable of batches is expected: iterating a
+    tensor, or a mapping, would feed the model its rows, or its keys, as batches
+    (``example``: how to wrap one batch in a list)."""
+    if isinstance(batches, (torch.Tensor, Mapping)):
+        fail(TypeError, name, f"an iterable of batches (wrap a single batch in a list: {example})",
+             type(batches).__name__)
 
 
 def check_scale_dtype(scale_dtype: object, name: str = "scale_dtype") -> torch.dtype:

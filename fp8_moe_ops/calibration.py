@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 
 import torch
 from torch import nn
 
+from ._checks import check_batches
 from .modules import FP8Experts, FP8Linear
 from .functional import FP8_MAX
 
@@ -80,10 +81,7 @@ def calibrate_static_scales(model: nn.Module, calibration_batches: Iterable) -> 
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
-    if isinstance(calibration_batches, (torch.Tensor, Mapping)):
-        # iterating one batch would feed the model its rows (or its keys) as batches
-        raise TypeError(f"calibration_batches: expected an iterable of batches (wrap a single batch in a list: "
-                        f"[x] or [(hidden, top_k_index, top_k_weights)]), got {type(calibration_batches).__name__}")
+    check_batches(calibration_batches, "[x] or [(hidden, top_k_index, top_k_weights)]")
     names = {m: name for name, m in model.named_modules() if isinstance(m, (FP8Linear, FP8Experts))}
     targets = list(names)
     if not targets:

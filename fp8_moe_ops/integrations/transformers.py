@@ -45,7 +45,7 @@ from transformers.integrations import moe as _tf_moe
 
 from .. import ops as _ops
 from .. import functional
-from .._checks import check_block_size, check_choice, check_scale_dtype, fail
+from .._checks import check_batches, check_block_size, check_choice, check_scale_dtype, fail
 from ..calibration import calibrate_static_scales
 from ..modules import DISPATCHES, SCHEMES, FP8Experts
 
@@ -362,10 +362,7 @@ def quantize_experts(
         raise ValueError("calibration_batches: expected sample batches to calibrate activation_scheme='static', got None")
     if activation_scheme == "dynamic" and calibration_batches is not None:
         raise ValueError("calibration_batches: expected None with activation_scheme='dynamic' (only static scales are calibrated)")
-    if isinstance(calibration_batches, (torch.Tensor, Mapping)):
-        # iterating one batch would feed the model its rows (or its keys) as batches
-        fail(TypeError, "calibration_batches", "an iterable of batches (wrap a single batch in a list: [input_ids])",
-             type(calibration_batches).__name__)
+    check_batches(calibration_batches, "[input_ids]")
 
     found, already = [], 0
     for parent in model.modules():
