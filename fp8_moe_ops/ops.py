@@ -90,13 +90,15 @@ def _check_out_dtype(out_dtype: torch.dtype | None) -> None:
         fail(TypeError, "out_dtype", "None, bfloat16, float16 or float32", out_dtype)
 
 
-def _check_act_scale(name: str, s: torch.Tensor | None, numel: int, shapes: str) -> None:
+def _check_act_scale(name: str, s: torch.Tensor | None, numel: int, shapes: str, *, per_expert: bool) -> None:
+    # per expert: exactly (E,) (the kernels and the reference index it by expert; a 0-d
+    # tensor of one element would pass on CUDA and fail on the CPU); one matrix's: () or (1,)
     if s is None:
         return
     _check_tensor(name, s)
     if s.dtype != torch.float32:
         fail(TypeError, name, "dtype torch.float32", s.dtype)
-    if s.numel() != numel or s.dim() > 1:
+    if s.numel() != numel or (s.dim() != 1 if per_expert else s.dim() > 1):
         fail(ValueError, name, shapes, shape_str(s))
 
 
@@ -117,7 +119,7 @@ def check_linear(x, w, w_scale_inv, block_size, act_scale=None, out_dtype=None) 
     _check_act("x", x)
     _check_weight("w", w, "w_scale_inv", w_scale_inv, block_size, experts=False)
     _check_k("x", x, "w", w)
-    _check_act_scale("act_scale", act_scale, 1, "one element (shape () or (1,))")
+    _check_act_scale("act_scale", act_scale, 1, "one element (shape () or (1,))", per_expert=False)
     _check_out_dtype(out_dtype)
     _check_same_device(x=x, w=w, w_scale_inv=w_scale_inv, act_scale=act_scale)
 
@@ -127,7 +129,7 @@ def _check_expert_gemm(x, w, w_scale_inv, block_size, act_scale, out_dtype) -> N
     _check_weight("w", w, "w_scale_inv", w_scale_inv, block_size, experts=True)
     _check_k("x", x, "w", w)
     E = w.shape[0]
-    _check_act_scale("act_scale", act_scale, E, f"shape ({E},) (one scale per expert)")
+    _check_act_scale("act_scale", act_scale, E, f"shape ({E},) (one scale per expert)", per_expert=True)
     _check_out_dtype(out_dtype)
 
 
@@ -173,8 +175,8 @@ def _check_routing(hidden, top_k_index, top_k_weights) -> None:
 def _check_experts_options(E, activation, gate_up_act_scale, down_act_scale, swiglu_limit) -> None:
     if activation not in ACTIVATIONS:
         fail(ValueError, "activation", f"one of {ACTIVATIONS}", repr(activation))
-    _check_act_scale("gate_up_act_scale", gate_up_act_scale, E, f"shape ({E},) (one scale per expert)")
-    _check_act_scale("down_act_scale", down_act_scale, E, f"shape ({E},) (one scale per expert)")
+    _check_act_scale("gate_up_act_scale", gate_up_act_scale, E, f"shape ({E},) (one scale per expert)", per_expert=True)
+    _check_act_scale("down_act_scale", down_act_scale, E, f"shape ({E},) (one scale per expert)", per_expert=True)
     if swiglu_limit is not None and not swiglu_limit > 0:
         fail(ValueError, "swiglu_limit", "None or a positive float", swiglu_limit)
 

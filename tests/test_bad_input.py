@@ -87,6 +87,25 @@ def test_batched_mm_bad_input():
         OPS.batched_mm(**a, expert_ids=torch.zeros(6))
 
 
+def test_a_one_expert_act_scale_of_shape_empty_is_refused():
+    # per-expert scales are (E,): a 0-d scale of E = 1's one element passed the element
+    # count, then the CPU reference failed to index it (IndexError) while CUDA ran it
+    w, ws = make_expert_weights(1, 64, 96, [32, 32])
+    x, scalar = torch.randn(5, 96), torch.tensor(0.01)
+    args = dict(x=x, w=w, w_scale_inv=ws, block_size=[32, 32], act_scale=scalar)
+    with pytest.raises(ValueError, match=r"act_scale: expected shape \(1,\) \(one scale per expert\), got shape \(\)"):
+        OPS.grouped_mm(**args, offsets=torch.tensor([5], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"act_scale: expected shape \(1,\)"):
+        OPS.batched_mm(**args, expert_ids=torch.zeros(5, dtype=torch.long))
+    a = make_experts_inputs(4, 1, 64, 16, 1, [32, 32])
+    for name in ("gate_up_act_scale", "down_act_scale"):
+        with pytest.raises(ValueError, match=rf"{name}: expected shape \(1,\)"):
+            OPS.grouped_experts(**(a | {name: scalar}))
+    # a single matrix's scale may be () or (1,)
+    la = _linear_args()
+    assert torch.equal(OPS.linear(**la, act_scale=scalar), OPS.linear(**la, act_scale=scalar.reshape(1)))
+
+
 EXPERTS_BAD = [
     (dict(hidden=torch.randn(4, 2, 64)), ValueError, "hidden: expected a 2-D"),
     (dict(top_k_index=torch.zeros(4, 0, dtype=torch.long)), ValueError, "top_k >= 1"),          # top_k = 0
