@@ -90,16 +90,20 @@ def _check_out_dtype(out_dtype: torch.dtype | None) -> None:
         fail(TypeError, "out_dtype", "None, bfloat16, float16 or float32", out_dtype)
 
 
-def _check_act_scale(name: str, s: torch.Tensor | None, numel: int, shapes: str, *, per_expert: bool) -> None:
-    # per expert: exactly (E,) (the kernels and the reference index it by expert; a 0-d
-    # tensor of one element would pass on CUDA and fail on the CPU); one matrix's: () or (1,)
+def _check_act_scale(name: str, s: torch.Tensor | None, E: int | None = None) -> None:
+    """A static activation scale: one matrix's (``E`` None) of shape () or (1,); else one
+    per expert, exactly (E,) (the kernels and the reference index it by expert: a 0-d
+    scale at E = 1 would run on CUDA and fail on the CPU)."""
     if s is None:
         return
     _check_tensor(name, s)
     if s.dtype != torch.float32:
         fail(TypeError, name, "dtype torch.float32", s.dtype)
-    if s.numel() != numel or (s.dim() != 1 if per_expert else s.dim() > 1):
-        fail(ValueError, name, shapes, shape_str(s))
+    if E is None:
+        if s.numel() != 1 or s.dim() > 1:
+            fail(ValueError, name, "one element (shape () or (1,))", shape_str(s))
+    elif tuple(s.shape) != (E,):
+        fail(ValueError, name, f"shape ({E},) (one scale per expert)", shape_str(s))
 
 
 def _check_same_device(**tensors: torch.Tensor | None) -> None:
@@ -119,7 +123,7 @@ def check_linear(x, w, w_scale_inv, block_size, act_scale=None, out_dtype=None) 
     _check_act("x", x)
     _check_weight("w", w, "w_scale_inv", w_scale_inv, block_size, experts=False)
     _check_k("x", x, "w", w)
-    _check_act_scale("act_scale", act_scale, 1, "one element (shape () or (1,))", per_expert=False)
+    _check_act_scale("act_scale", act_scale)
     _check_out_dtype(out_dtype)
     _check_same_device(x=x, w=w, w_scale_inv=w_scale_inv, act_scale=act_scale)
 
@@ -129,7 +133,7 @@ def _check_expert_gemm(x, w, w_scale_inv, block_size, act_scale, out_dtype) -> N
     _check_weight("w", w, "w_scale_inv", w_scale_inv, block_size, experts=True)
     _check_k("x", x, "w", w)
     E = w.shape[0]
-    _check_act_scale("act_scale", act_scale, E, f"shape ({E},) (one scale per expert)", per_expert=True)
+    _check_act_scale("act_scale", act_scale, E)
     _check_out_dtype(out_dtype)
 
 
@@ -175,8 +179,8 @@ def _check_routing(hidden, top_k_index, top_k_weights) -> None:
 def _check_experts_options(E, activation, gate_up_act_scale, down_act_scale, swiglu_limit) -> None:
     if activation not in ACTIVATIONS:
         fail(ValueError, "activation", f"one of {ACTIVATIONS}", repr(activation))
-    _check_act_scale("gate_up_act_scale", gate_up_act_scale, E, f"shape ({E},) (one scale per expert)", per_expert=True)
-    _check_act_scale("down_act_scale", down_act_scale, E, f"shape ({E},) (one scale per expert)", per_expert=True)
+    _check_act_scale("gate_up_act_scale", gate_up_act_scale, E)
+    _check_act_scale("down_act_scale", down_act_scale, E)
     if swiglu_limit is not None and not swiglu_limit > 0:
         fail(ValueError, "swiglu_limit", "None or a positive float", swiglu_limit)
 
