@@ -182,15 +182,20 @@ def test_nan_and_inf_inputs_quantise_as_the_reference():
     _assert_same_nan_then_bitwise(q.cpu(), reference.quantize_act_static(x, one))
 
 
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+@pytest.mark.parametrize("poison", ["nan", "inf", "-inf"])
 @pytest.mark.parametrize("T", [1, 6])
-def test_a_nan_in_a_token_makes_its_row_nan_and_no_other(T):
-    # T=1: the activation and the combine in the GEMMs' launches; T=6: their own kernels
-    args = make_experts_inputs(T, 4, 256, 128, 2, [128, 128], seed=3)
-    args["hidden"][T // 2, 7] = float("nan")
+def test_a_nan_or_inf_in_a_token_reaches_its_row_alone(T, poison, static):
+    # T=1: the activation and the combine in the GEMMs' launches; T=6: their own kernels.
+    # NaN makes its token's row NaN; Inf does too under dynamic scales (its group's scale
+    # is Inf, Inf / Inf is NaN) and saturates to +-448 under static ones (a finite row).
+    args = make_experts_inputs(T, 4, 256, 128, 2, [128, 128], static=static, seed=3)
+    args["hidden"][T // 2, 7] = float(poison)
     out = OPS.grouped_experts(**{key: _cuda(v) for key, v in args.items()}).cpu()
     ref = OPS.grouped_experts(**args)
-    assert ref[T // 2].isnan().all()
-    assert torch.equal(out.isnan(), ref.isnan())
+    row_is_nan = poison == "nan" or not static
+    assert bool(ref[T // 2].isnan().all()) == row_is_nan and not ref.isinf().any()
+    assert torch.equal(out.isnan(), ref.isnan()) and not out.isinf().any()
     assert rel_err(out[~ref.isnan()], ref[~ref.isnan()]) < EXPERTS_BOUND
 
 
