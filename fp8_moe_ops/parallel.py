@@ -23,6 +23,11 @@ Data flow of :class:`ExpertParallel` on every rank (S = T_r * k slots; see docs/
 Under ``torch.compile`` the transport (steps 2-4: split sizes are data) runs as an
 eager island (``torch.compiler.disable``); the packing before it and the combine after
 it have shapes that depend on T_r, k and the world size only and compile.
+
+Like the ops it calls, it is inference-only: with inputs that require grad its output
+does too, and a backward through it raises (the bytes sent between ranks carry no
+autograd graph, so a gradient would otherwise reach the routing weights alone, and on
+CUDA, whose combine is a kernel, not even those).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from . import ops
 from .modules import FP8Experts
 from .routing import combine
 
@@ -111,6 +117,13 @@ class ExpertParallel(nn.Module):
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         self._check(hidden_states, top_k_index, top_k_weights)
+        if torch.is_grad_enabled() and (hidden_states.requires_grad or top_k_weights.requires_grad):
+            out = self._forward(hidden_states.detach(), top_k_index, top_k_weights.detach())
+            return _InferenceOnly.apply(out, hidden_states, top_k_weights)
+        return self._forward(hidden_states, top_k_index, top_k_weights)
+
+    def _forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                 top_k_weights: torch.Tensor) -> torch.Tensor:
         T, k = top_k_index.shape
         world, n_local = self.world_size, self.local_experts.num_experts
         ids = top_k_index.long()
@@ -123,7 +136,7 @@ class ExpertParallel(nn.Module):
         # each row carries its token's local expert ids on that rank, -1 for the other slots
         local = torch.where(owner[row_tok] == row_rank[:, None], ids[row_tok] - row_rank[:, None] * n_local, -1)
         payload = torch.cat([_as_bytes(hidden_states[row_tok]), _as_bytes(local.to(torch.int32))], dim=1)
-        counts = torch.stack([hit.sum(1), (owner.view(1, -1) == ranks[:, None]).sum(1)], dim=1)  # (world, 2)
+        counts = torch.stack([hit.sum(1), (owner.reshape(1, -1) == ranks[:, None]).sum(1)], dim=1)  # (world, 2)
         y_sorted = self._remote_experts(payload, counts, hidden_states.dtype, k)  # (T*k, H)
         # the results come back by rank, token, choice: the stable sort of the slots by owner
         slot_perm = torch.sort(owner.flatten(), stable=True).indices
@@ -177,6 +190,21 @@ class ExpertParallel(nn.Module):
 
     def extra_repr(self) -> str:
         return f"num_experts={self.num_experts}, rank={self.rank}, world_size={self.world_size}"
+
+
+class _InferenceOnly(torch.autograd.Function):
+    """``out``, computed without autograd from ``hidden_states`` and ``top_k_weights``
+    that require grad: the output requires grad too, and a backward through it raises,
+    as through the single-process ops."""
+
+    @staticmethod
+    def forward(ctx, out, hidden_states, top_k_weights):
+        ctx.metas = ops._metas((out, hidden_states, top_k_weights))
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ops._refused_gradients("ExpertParallel", grad, ctx.metas, ctx.needs_input_grad)
 
 
 def _combine(y, top_k_index, top_k_weights, num_experts: int, out_dtype: torch.dtype) -> torch.Tensor:

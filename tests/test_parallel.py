@@ -150,6 +150,18 @@ def test_single_process_group(tmp_path):
         valid = (idx >= 0) & (idx < E)
         assert seen[0].tolist() == [[int(valid.any(1).sum()), int(valid.sum())]]
         assert int(valid.any(1).sum()) < int(valid.sum())  # the case has tokens with several slots
+        # a column-major top_k_index (as FP8Experts takes it)
+        assert torch.equal(ep(hidden, idx.t().contiguous().t(), weights), full(hidden, idx, weights))
+        # inference-only, as the single-process ops: with inputs that require grad the output
+        # does too, and a backward through it raises (the transport carries no autograd graph)
+        for needs in ((True, False), (False, True)):
+            h, w = hidden.clone().requires_grad_(needs[0]), weights.clone().requires_grad_(needs[1])
+            out = ep(h, idx, w)
+            assert out.requires_grad and torch.equal(out.detach(), full(hidden, idx, weights))
+            with pytest.raises(RuntimeError, match="ExpertParallel has no autograd formula"):
+                out.float().sum().backward()
+            with torch.no_grad():
+                assert not ep(h, idx, w).requires_grad
         with pytest.raises(ValueError, match="num_experts"):
             ExpertParallel(shard_experts(full, 0, 1), E + 1)
         with pytest.raises(TypeError, match="local_experts"):
