@@ -88,12 +88,20 @@ def _check_activations(name: str, x: object, last_dim: int, last_dim_name: str) 
 class _CheckedStateDict:
     """A parameter replaced (``module.gate_up_proj = nn.Parameter(...)``) or loaded
     (``load_state_dict``) must keep its dtype and shape (nn.Module would cast a float
-    weight to fp8 silently on load) and scales must be finite and positive: a
-    ``TypeError`` / ``ValueError`` names the attribute or key.  A module pickled whole
-    (``torch.save(module)``) before its settings became properties loads too.  Dtype
-    casts of a whole model leave the parameters' dtypes alone (:meth:`_apply`)."""
+    weight to fp8 silently on load), weights must be contiguous and scales finite and
+    positive: a ``TypeError`` / ``ValueError`` names the attribute or key.  An optional
+    parameter that is unset (static scales under the dynamic scheme, a bias) is checked
+    against what the module would hold (:meth:`_optional`); a static scale cannot be
+    unset while the scheme is static.  A module pickled whole (``torch.save(module)``)
+    before its settings became properties loads too.  Dtype casts of a whole model leave
+    the parameters' dtypes alone (:meth:`_apply`)."""
 
     _PROPERTIES: tuple[str, ...] = ()  # settings stored as ``_<name>`` behind a property since 2026-12-04
+    _STATIC_SCALES: tuple[str, ...] = ()  # the parameters the static scheme reads
+
+    def _optional(self, name: str) -> tuple[torch.dtype, tuple[int, ...]] | None:
+        """(dtype, shape) of ``name`` if it is an optional parameter, else None."""
+        return None
 
     def _apply(self, fn, recurse: bool = True):
         """``model.half()`` / ``model.to(torch.bfloat16)`` cast every floating parameter, the
@@ -118,30 +126,44 @@ class _CheckedStateDict:
                 state["_" + name] = state.pop(name)
         super().__setstate__(state)
 
-    def _check_replacement(self, key: str, name: str, value: object) -> None:
-        """``value`` in place of parameter ``name`` (``key``: how the caller named it)."""
-        param = self._parameters[name]
+    def _check_replacement(self, key: str, name: str, value: object, becomes_param: bool = True) -> None:
+        """``value`` in place of parameter ``name`` (``key``: how the caller named it);
+        ``becomes_param``: the tensor itself is the new parameter (else its values are
+        copied into the parameter's)."""
+        param = self._parameters.get(name)
+        dtype, shape = (param.dtype, tuple(param.shape)) if param is not None else self._optional(name)
+        what = f"that of {type(self).__name__}.{name}"
         if not isinstance(value, torch.Tensor):
             fail(TypeError, key, "a Tensor", type(value).__name__)
-        if value.dtype != param.dtype:
-            fail(TypeError, key, f"dtype {param.dtype} (that of {type(self).__name__}.{name})", value.dtype)
-        if value.shape != param.shape:
-            fail(ValueError, key, f"shape {tuple(param.shape)} (that of {type(self).__name__}.{name})",
-                 shape_str(value))
+        if name == "bias":  # any float dtype: the forward adds it in the activations' dtype
+            if value.dtype not in ACT_DTYPES:
+                fail(TypeError, key, f"dtype float32, bfloat16 or float16 ({what})", value.dtype)
+        elif value.dtype != dtype:
+            fail(TypeError, key, f"dtype {dtype} ({what})", value.dtype)
+        if tuple(value.shape) != shape:
+            fail(ValueError, key, f"shape {shape} ({what})", shape_str(value))
+        if becomes_param and value.dtype == torch.float8_e4m3fn and not value.is_contiguous():
+            fail(ValueError, key, "a contiguous tensor (weights are never copied per call)", f"strides {value.stride()}")
         if name.endswith(("_scale_inv", "activation_scale")) and value.device.type != "meta":
             check_scale_values(key, value)  # once per replacement; a forward on CUDA checks no values
 
     def __setattr__(self, name: str, value) -> None:
         params = self.__dict__.get("_parameters")
-        if params is not None and params.get(name) is not None and value is not None:
-            self._check_replacement(name, name, value)
+        if params is not None:  # (nn.Module.__init__ has run)
+            if value is not None:
+                if params.get(name) is not None or self._optional(name) is not None:
+                    self._check_replacement(name, name, value)
+            elif name in self._STATIC_SCALES and self.__dict__.get("_activation_scheme") == "static":
+                fail(ValueError, name, "a tensor while activation_scheme is 'static' (set activation_scheme = "
+                     "'dynamic' first)", "None")
         super().__setattr__(name, value)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
+        assign = local_metadata.get("assign_to_params_buffers", False)  # load_state_dict(..., assign=True)
         for name, param in self._parameters.items():
             if param is not None and prefix + name in state_dict:
-                self._check_replacement(prefix + name, name, state_dict[prefix + name])
+                self._check_replacement(prefix + name, name, state_dict[prefix + name], assign)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
 
@@ -167,7 +189,7 @@ class FP8Linear(_CheckedStateDict, nn.Module):
         weight: (out_features, in_features) ``float8_e4m3fn``.
         weight_scale_inv: (ceil(out/bn), ceil(in/bk)) float32 or UE8M0.
         activation_scale: (1,) float32, static scheme only (else ``None``).
-        bias: (out_features,) or ``None``.
+        bias: (out_features,) float32 (an assigned or ``assign=True``-loaded one may be bf16 / fp16), or ``None``.
 
     ``forward`` takes (..., in_features) in bf16/fp16/fp32 and returns (..., out_features)
     in the same dtype, through ``fp8_moe::linear`` (in a plain eager call straight to its
@@ -176,6 +198,14 @@ class FP8Linear(_CheckedStateDict, nn.Module):
 
     in_features, out_features, block_size = _fixed("in_features"), _fixed("out_features"), _fixed("block_size")
     _PROPERTIES = ("in_features", "out_features", "block_size")
+    _STATIC_SCALES = ("activation_scale",)
+
+    def _optional(self, name: str) -> tuple[torch.dtype, tuple[int, ...]] | None:
+        if name == "activation_scale":
+            return torch.float32, (1,)
+        if name == "bias":
+            return torch.float32, (self.out_features,)
+        return None
 
     def __init__(self, in_features: int, out_features: int, block_size: Sequence[int] = (128, 128),
                  activation_scheme: str = "dynamic", scale_dtype: torch.dtype = torch.float32,
@@ -204,7 +234,7 @@ class FP8Linear(_CheckedStateDict, nn.Module):
     def activation_scheme(self, value: str) -> None:
         check_choice("activation_scheme", value, SCHEMES)
         if value == "static":
-            _check_static_ready(self, ("activation_scale",))
+            _check_static_ready(self, self._STATIC_SCALES)
         self._activation_scheme = value
 
     @classmethod
@@ -218,8 +248,8 @@ class FP8Linear(_CheckedStateDict, nn.Module):
                   bias=linear.bias is not None, device=w.device)
         q, s = quantize_named(w, block_size, scale_dtype, "linear.weight")
         mod.weight.data, mod.weight_scale_inv.data = q, s
-        if linear.bias is not None:
-            mod.bias.data = linear.bias.detach().to(w.dtype).clone()
+        if linear.bias is not None:  # float32 as the constructor's (exact for any float bias; added in y's dtype)
+            mod.bias.data = linear.bias.detach().to(torch.float32, copy=True)
         return mod
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -269,6 +299,10 @@ class FP8Experts(_CheckedStateDict, nn.Module):
 
     _STATIC_SCALES = ("gate_up_proj_activation_scale", "down_proj_activation_scale")
     num_experts, hidden_size = _fixed("num_experts"), _fixed("hidden_size")
+
+    def _optional(self, name: str) -> tuple[torch.dtype, tuple[int, ...]] | None:
+        return (torch.float32, (self.num_experts,)) if name in self._STATIC_SCALES else None
+
     intermediate_size, block_size = _fixed("intermediate_size"), _fixed("block_size")
     _PROPERTIES = ("num_experts", "hidden_size", "intermediate_size", "block_size", "swiglu_limit")
 

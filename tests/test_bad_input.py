@@ -375,6 +375,53 @@ def test_replacing_a_parameter_is_checked_as_loading_it(name, value, exc, match)
     assert torch.equal(getattr(m, name), before)
 
 
+@pytest.mark.parametrize("name,value,exc,match", [
+    # unset under the dynamic scheme: checked against what the static scheme would hold
+    ("gate_up_proj_activation_scale", torch.ones(6), ValueError,
+     r"gate_up_proj_activation_scale: expected shape \(3,\) \(that of FP8Experts.gate_up_proj_activation_scale\), "
+     r"got shape \(6,\)"),
+    ("down_proj_activation_scale", -torch.ones(3), ValueError, "down_proj_activation_scale: expected finite positive"),
+    ("down_proj_activation_scale", torch.ones(3, dtype=torch.bfloat16), TypeError,
+     "down_proj_activation_scale: expected dtype torch.float32"),
+    # a weight the kernels would read with the wrong strides
+    ("gate_up_proj", _param(torch.zeros(3, 64, 32, dtype=torch.float8_e4m3fn).transpose(1, 2)), ValueError,
+     r"gate_up_proj: expected a contiguous tensor \(weights are never copied per call\), got strides"),
+])
+def test_a_first_assignment_and_a_strided_weight_are_checked(name, value, exc, match):
+    m = _experts()
+    with pytest.raises(exc, match=match):
+        setattr(m, name, _param(value) if not isinstance(value, nn.Parameter) else value)
+    assert m.activation_scheme == "dynamic" and m.gate_up_proj.is_contiguous()
+    assert name.endswith("proj") or getattr(m, name) is None
+
+
+def test_a_static_scale_cannot_be_unset_while_static():
+    m = _experts()
+    m.gate_up_proj_activation_scale = _param(torch.full((3,), 0.01))
+    m.down_proj_activation_scale = _param(torch.full((3,), 0.01))
+    m.activation_scheme = "static"
+    with pytest.raises(ValueError, match="gate_up_proj_activation_scale: expected a tensor while activation_scheme "
+                                         "is 'static' .*, got None"):
+        m.gate_up_proj_activation_scale = None  # the forward would have run dynamic, the scheme still 'static'
+    m.activation_scheme = "dynamic"
+    m.gate_up_proj_activation_scale = None
+    lin = fp8_moe_ops.FP8Linear(16, 8, activation_scheme="static")
+    with pytest.raises(ValueError, match="activation_scale: expected a tensor while activation_scheme is 'static'"):
+        lin.activation_scale = None
+    with pytest.raises(ValueError, match=r"bias: expected shape \(8,\) \(that of FP8Linear.bias\), got shape \(1,\)"):
+        lin.bias = _param(torch.ones(1))  # would broadcast over every output
+    lin.bias = _param(torch.ones(8, dtype=torch.bfloat16))  # any float dtype: added in the activations' dtype
+
+
+def test_a_strided_weight_loads_by_copy_not_by_assignment():
+    m = _experts()
+    sd = m.state_dict()
+    sd["gate_up_proj"] = sd["gate_up_proj"].transpose(1, 2).contiguous().transpose(1, 2)
+    m.load_state_dict(sd)  # copied into the contiguous parameter
+    with pytest.raises(ValueError, match="gate_up_proj: expected a contiguous tensor"):
+        m.load_state_dict(sd, assign=True)
+
+
 def test_load_state_dict_checks_a_static_scale():
     model = nn.Sequential(fp8_moe_ops.FP8Linear(16, 8, activation_scheme="static"))
     sd = model.state_dict()

@@ -27,6 +27,9 @@ def test_fp8_linear_from_float_and_shapes():
     assert q.weight.dtype == torch.float8_e4m3fn and q.weight.shape == (72, 200)
     assert q.weight_scale_inv.shape == (2, 4) and q.weight_scale_inv.dtype == torch.float8_e8m0fnu
     assert q.activation_scale is None
+    # a float32 bias, as the constructor's: either's state dict loads into the other
+    assert q.bias.dtype == torch.float32
+    assert FP8Linear.from_float(nn.Linear(200, 72, bias=True, dtype=torch.bfloat16)).bias.dtype == torch.float32
     x = torch.randn(2, 3, 200)
     y = q(x)
     assert y.shape == (2, 3, 72)

@@ -146,14 +146,7 @@ def test_experts_one_static_scale_quantises_its_own_gemm_only(which):
     both = OPS.grouped_experts(**args)
     mixed = OPS.grouped_experts(**{**args, which: None})
     none = OPS.grouped_experts(**{**args, "gate_up_act_scale": None, "down_act_scale": None})
-    mod = fp8_moe_ops.FP8Experts(5, 96, 48, [32, 32], activation_scheme="static")
-    mod.gate_up_proj.data, mod.gate_up_proj_scale_inv.data = args["gate_up_proj"], args["gate_up_scale_inv"]
-    mod.down_proj.data, mod.down_proj_scale_inv.data = args["down_proj"], args["down_scale_inv"]
-    mod.gate_up_proj_activation_scale.data = args["gate_up_act_scale"]
-    mod.down_proj_activation_scale.data = args["down_act_scale"]
-    setattr(mod, {"gate_up_act_scale": "gate_up_proj_activation_scale",
-                  "down_act_scale": "down_proj_activation_scale"}[which], None)  # the eager loop's None: dynamic
-    assert_agree(mixed, mod(args["hidden"], args["top_k_index"], args["top_k_weights"]))
+    assert rel_err(mixed, experts_float64(**{**args, which: None})) < REL_BOUND[torch.bfloat16]
     assert not torch.equal(mixed, both) and not torch.equal(mixed, none)
     assert OPS.batched_experts(**{**args, which: None}).equal(mixed)
 
