@@ -31,6 +31,13 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _within(block: int, size: int) -> int:
+    """A block (or group) length clamped to the dimension it tiles: the same blocks, and
+    padding (below) that grows with the dimension, not with a block far larger than it
+    (one block of a matrix of any size is legal: per-tensor checkpoints)."""
+    return min(block, max(size, 1))
+
+
 # --------------------------------------------------------------------------- quantisation
 
 
@@ -43,6 +50,7 @@ def quantize_act_dynamic(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor
     group's scale NaN, so the NaN stays in its own row.
     """
     M, K = x.shape
+    group_size = _within(group_size, K)
     G = cdiv(K, group_size)
     xf = x.float()
     pad = G * group_size - K
@@ -68,7 +76,7 @@ def _expand_scale_grid(scale_inv: torch.Tensor, shape: Sequence[int], block_size
 
     A (1, 1) grid is one scale for the whole matrix (per-tensor checkpoints)."""
     N, K = shape
-    bn, bk = block_size
+    bn, bk = _within(block_size[0], N), _within(block_size[1], K)
     s = scale_inv.float()
     if s.shape[-2:] == (1, 1):
         return s.expand(*s.shape[:-2], N, K)
@@ -84,7 +92,7 @@ def dequantize_weight(w: torch.Tensor, scale_inv: torch.Tensor, block_size: Sequ
 def dequantize_act(q: torch.Tensor, scale: torch.Tensor, group_size: int) -> torch.Tensor:
     """Inverse of :func:`quantize_act_dynamic`: q (M, K), scale (M, G) -> float32."""
     K = q.shape[1]
-    return q.float() * scale.repeat_interleave(group_size, dim=1)[:, :K]
+    return q.float() * scale.repeat_interleave(_within(group_size, K), dim=1)[:, :K]
 
 
 def quantize_weight_blockwise(w: torch.Tensor, block_size: Sequence[int], scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,8 +103,8 @@ def quantize_weight_blockwise(w: torch.Tensor, block_size: Sequence[int], scale_
     small that its scale would fall below the scale dtype's smallest positive value
     (float32: 2^-149; UE8M0: 2^-127) gets that value: its weights stay unsaturated
     and the scale stays positive."""
-    bn, bk = block_size
     *lead, N, K = w.shape
+    bn, bk = _within(block_size[0], N), _within(block_size[1], K)
     gn, gk = cdiv(N, bn), cdiv(K, bk)
     wf = F.pad(w.float(), (0, gk * bk - K, 0, gn * bn - N))
     blocks = wf.reshape(*lead, gn, bn, gk, bk)

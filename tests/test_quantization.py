@@ -140,3 +140,19 @@ def test_quantize_weight_per_tensor_of_an_empty_matrix(shape):
 def test_quantize_weight_outputs_carry_no_autograd_history():
     q, s = fp8_moe_ops.quantize_weight(torch.randn(4, 4, requires_grad=True), (2, 2))
     assert not q.requires_grad and not s.requires_grad and s.grad_fn is None
+
+
+def test_a_block_far_larger_than_the_matrix_costs_what_the_matrix_does():
+    # one block of any size is legal (its grid is (1, 1)); the reference pads to the matrix,
+    # not to the block (a (2^24, 2^24) block padded a 64 x 96 weight to petabytes)
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 96, generator=gen)
+    huge = [2 ** 24, 2 ** 24]
+    q, s = reference.quantize_weight_blockwise(w, huge, torch.float32)
+    q_exact, s_exact = reference.quantize_weight_blockwise(w, [64, 96], torch.float32)
+    assert s.shape == (1, 1) and torch.equal(s, s_exact) and torch.equal(q.view(torch.uint8), q_exact.view(torch.uint8))
+    x = torch.randn(8, 96, generator=gen).to(torch.bfloat16)
+    assert torch.equal(torch.ops.fp8_moe.linear(x, q, s, huge), torch.ops.fp8_moe.linear(x, q, s, [64, 96]))
+    xq, xs = reference.quantize_act_dynamic(x, 2 ** 24)
+    assert xs.shape == (8, 1) and torch.equal(reference.dequantize_act(xq, xs, 2 ** 24),
+                                              reference.dequantize_act(*reference.quantize_act_dynamic(x, 96), 96))
