@@ -538,17 +538,22 @@ def read_modify_write_chains(graph) -> list:
 def find_loop(steps: list, step_of=accumulation_step) -> Candidate | None:
     """The chain as a loop over experts, or None when it is none: every step (as
     ``step_of`` reads it) adds rows selected by a ``nonzero`` (possibly through an
-    integer cast), and the steps' bodies call ``fp8_moe::linear``."""
-    nzs, bodies = [], []
+    integer cast), and the steps' bodies call ``fp8_moe::linear``.  Raises Skip for a
+    chain whose steps with such rows call it, where other steps add other rows."""
+    nzs, bodies, strays = [], [], 0
     for s in steps:
         step = step_of(s)
         co = _coord(_strip_int_casts(step.rows))
         if co is None:
-            return None
+            strays += 1
+            continue
         nzs.append(co[0])
         bodies.append(_body(step.value, co[0]))
     if not any(is_call(n, LINEAR) for b in bodies for n in b):
         return None
+    if strays:
+        raise Skip(f"{strays} of the {len(steps)} steps of its accumulation add rows that no torch.where of "
+                   f"top_k_index selects (say a shared term added into the same accumulator)")
     return Candidate(steps, nzs, bodies)
 
 

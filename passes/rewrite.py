@@ -213,10 +213,10 @@ def rewrite_moe_loops(graph: Graph) -> int:
         if head._erased:  # dead code of an earlier rewrite
             continue
         steps = collect_chain(head)
-        candidate = find_loop(steps)
-        if candidate is None:
-            continue
         try:
+            candidate = find_loop(steps)
+            if candidate is None:
+                continue
             loop = prove(candidate)
             op = _rewrite(graph, loop)
         except Skip as skip:
@@ -230,9 +230,13 @@ def rewrite_moe_loops(graph: Graph) -> int:
                  "(activation=%s, swiglu_limit=%s, %s)", len(steps), op, loop.iters[0].activation.name,
                  loop.iters[0].activation.limit, loop.numerics)
     for steps in read_modify_write_chains(graph):
-        if find_loop(steps, read_modify_write_step) is not None:
-            counters["fp8_moe"]["loops_skipped_unsupported"] += 1
-            log.info("fp8_moe_ops.passes: a loop over %d experts was left eager because it combines with "
-                     "out[tok] += v, which keeps one sum of a token that top_k_index routes to an expert twice (the "
-                     "grouped op adds both); out.index_add_(0, tok, v) is the combine it replaces", len(steps))
+        try:
+            if find_loop(steps, read_modify_write_step) is None:
+                continue
+            reason = ("it combines with out[tok] += v, which keeps one sum of a token that top_k_index routes to an "
+                      "expert twice (the grouped op adds both); out.index_add_(0, tok, v) is the combine it replaces")
+        except Skip as skip:
+            reason = str(skip)
+        counters["fp8_moe"]["loops_skipped_unsupported"] += 1
+        log.info("fp8_moe_ops.passes: a loop over %d experts was left eager because %s", len(steps), reason)
     return done

@@ -55,6 +55,8 @@ class Loop(nn.Module):
     aux: also return the last expert's output (near miss: an intermediate escapes the loop);
     peek: also return the partial sum after expert 1 (near miss: a partial sum escapes).
     tok_int: accumulate with ``index_add_(0, tok.int(), ...)`` (a spelling the pass skips).
+    stray: after the loop, add ones into the accumulator at rows ``arange(T)``, which no
+    ``torch.where`` selects (near miss: a step of the accumulation that is no expert's).
     combine: "index_add" (out.index_add_(0, tok, v)), "scatter_add" (out.scatter_add_(0,
     tok[:, None].expand(-1, C), v) over C = H columns, or "scatter_add_half" over C = H // 2:
     a near miss) or "plus_equals" (out[tok] += v: a spelling the pass skips).
@@ -62,14 +64,14 @@ class Loop(nn.Module):
 
     def __init__(self, ex: FP8Experts, mask="eq", gather="index", split="chunk", routing="none_index",
                  experts=None, shift=0, extra=False, bias=False, acc="zeros", act_fn=F.silu, aux=False,
-                 peek=False, tok_int=False, combine="index_add"):
+                 peek=False, tok_int=False, combine="index_add", stray=False):
         super().__init__()
         self.ex = ex
         self.mask, self.gather, self.split, self.routing = mask, gather, split, routing
         self.experts = list(range(ex.num_experts)) if experts is None else experts
         self.shift, self.extra, self.acc, self.act_fn, self.aux, self.peek = shift, extra, acc, act_fn, aux, peek
         self.bias = nn.Parameter(torch.full((H,), 0.5), requires_grad=False) if bias else None
-        self.tok_int, self.combine = tok_int, combine
+        self.tok_int, self.combine, self.stray = tok_int, combine, stray
 
     def _act(self, h):
         ex = self.ex
@@ -124,6 +126,8 @@ class Loop(nn.Module):
                 out.index_add_(0, tok.int() if self.tok_int else tok, v)
             if self.peek and e == 1:
                 partial = out.clone()
+        if self.stray:
+            out.index_add_(0, torch.arange(out.shape[0], device=out.device), torch.ones_like(out))
         out = out if self.acc == "float32_out" else out.to(hidden.dtype)
         if self.peek:
             return out, partial
