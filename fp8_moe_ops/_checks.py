@@ -80,10 +80,17 @@ def check_choice(name: str, value: object, choices: Sequence[str]) -> str:
 def check_batches(batches: object, example: str, name: str = "calibration_batches") -> None:
     """Refuses one batch passed where an iterable of batches is expected: iterating a
     tensor, or a mapping, would feed the model its rows, or its keys, as batches
-    (``example``: how to wrap one batch in a list)."""
+    (``example``: how to wrap one batch in a list).  A tuple of tensors is refused too: it
+    is one batch of positional arguments (``(input_ids, attention_mask)``) as often as it
+    is several batches, and running each tensor as a batch can succeed silently (a
+    language model takes an attention mask as token ids); several batches go in a list."""
     if isinstance(batches, (torch.Tensor, Mapping)):
         fail(TypeError, name, f"an iterable of batches (wrap a single batch in a list: {example})",
              type(batches).__name__)
+    if isinstance(batches, tuple) and batches and all(isinstance(b, torch.Tensor) for b in batches):
+        fail(TypeError, name, f"an iterable of batches, not a tuple of tensors, which reads as one batch of "
+             f"positional arguments (wrap it in a list: {example}; several tensor batches go in a list)",
+             f"a tuple of {len(batches)} tensors")
 
 
 def check_scale_dtype(scale_dtype: object, name: str = "scale_dtype") -> torch.dtype:

@@ -43,16 +43,17 @@ def _check_finite(m: nn.Module, name: str) -> None:
 
 def _run_batch(model: nn.Module, batch, batches, index: int) -> None:
     """``model(*batch)``, or ``model(batch)`` for a single tensor (``index``: the batch's
-    place in ``batches``).  Where ``batches`` is a tuple or list of tensors and running
-    its first alone raises ``TypeError`` (a module that takes several arguments), it was
-    most likely one batch passed alone: the error says so."""
+    place in ``batches``).  Where ``batches`` is a list of tensors and running its first
+    alone raises ``TypeError`` (a module that takes several arguments), it was most likely
+    one batch passed alone: the error says so (a tuple of tensors is refused before any
+    runs: :func:`check_batches`)."""
     if isinstance(batch, (tuple, list)):
         model(*batch)
         return
     try:
         model(batch)
     except TypeError as exc:
-        if index == 0 and isinstance(batches, (tuple, list)) and len(batches) > 1 \
+        if index == 0 and isinstance(batches, list) and len(batches) > 1 \
                 and all(isinstance(b, torch.Tensor) for b in batches):
             raise TypeError(f"calibration_batches: expected an iterable of batches, got a {type(batches).__name__} "
                             f"of {len(batches)} tensors, each run as a batch alone (model(tensor) raised: {exc}); "
@@ -67,7 +68,7 @@ def calibrate_static_scales(model: nn.Module, calibration_batches: Iterable) -> 
 
     Runs ``model(*batch)`` for each batch (a tuple of positional arguments, or a single
     tensor; ``calibration_batches`` is an iterable of batches, and one batch passed
-    alone, a tensor or a mapping, is refused: wrap it in a list) with the current
+    alone, a tensor, a mapping or a tuple of tensors, is refused: wrap it in a list) with the current
     (dynamic) scheme, records the largest absolute input of every linear and, per
     expert, of the gate_up and down projections, then sets
     ``activation_scheme = "static"`` with scale ``amax / 448`` (the dequant multiplier).

@@ -274,14 +274,19 @@ CONSTRUCT_BAD = [
 
 
 def test_calibration_of_one_experts_batch_not_in_a_list_says_so_and_leaves_the_module_dynamic():
-    # (hidden, top_k_index, top_k_weights) passed alone: each tensor would be a batch of its own, and
-    # FP8Experts cannot take one tensor; the error names the argument and the fix
+    # (hidden, top_k_index, top_k_weights) passed alone: each tensor would be a batch of its own; a
+    # tuple is refused before any runs (a language model would take (input_ids, attention_mask)'s
+    # mask as token ids, silently), a list once FP8Experts refuses one tensor; each error names
+    # the argument and the fix
     m = _experts()
     batch = _routing()
-    with pytest.raises(TypeError, match=r"calibration_batches: expected an iterable of batches, got a tuple of 3 "
+    with pytest.raises(TypeError, match=r"calibration_batches: expected an iterable of batches, not a tuple of "
+                                        r"tensors, .*wrap it in a list: .*, got a tuple of 3 tensors"):
+        fp8_moe_ops.calibrate_static_scales(m, batch)
+    with pytest.raises(TypeError, match=r"calibration_batches: expected an iterable of batches, got a list of 3 "
                                         r"tensors, each run as a batch alone \(model\(tensor\) raised: .*\); .*wrap it "
                                         r"in a list"):
-        fp8_moe_ops.calibrate_static_scales(m, batch)
+        fp8_moe_ops.calibrate_static_scales(m, list(batch))
     assert m.activation_scheme == "dynamic"
     # the same batch in a list calibrates
     fp8_moe_ops.calibrate_static_scales(m, [batch])

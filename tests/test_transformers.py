@@ -412,6 +412,10 @@ def test_quantize_experts_rejects_bad_arguments():
     # one batch, not a list of batches: its rows would have been fed as batches
     with pytest.raises(TypeError, match=r"calibration_batches: expected an iterable of batches .*, got Tensor"):
         integration.quantize_experts(copy.deepcopy(ref), "static", ids)
+    # one (input_ids, attention_mask) batch alone: the mask would have run as token ids, silently
+    with pytest.raises(TypeError, match=r"calibration_batches: expected an iterable of batches, not a tuple of "
+                                        r"tensors, .*got a tuple of 2 tensors"):
+        integration.quantize_experts(copy.deepcopy(ref), "static", (ids, torch.ones_like(ids)))
     # a NaN reaching the experts in calibration: the error names them by their path in the
     # model, and the model gets its experts back (the call can be retried)
     nan_model = copy.deepcopy(ref)
