@@ -2,7 +2,8 @@
 
 Their parameters use the attribute names of transformers' FineGrainedFP8 layers
 (``weight_scale_inv``, ``gate_up_proj_scale_inv``, ``*_activation_scale``) so that
-checkpoints map one to one.  Static activation scales are set by
+checkpoints map one to one (but for a gate_up grid at ``bn/2 < I < bn``, which transformers
+reads as separate gate and up halves: docs/integrations.md).  Static activation scales are set by
 :func:`fp8_moe_ops.calibrate_static_scales` or loaded from a checkpoint.
 
 Both modules check what they are given as the ops do -- a ``TypeError`` or

@@ -123,15 +123,22 @@ def test_convert_linears_quantises_experts_and_keeps_router(source):
     assert rel_err(out, ref_out) < EXPERTS_BOUND
 
 
-def test_skip_matches_the_attribute_name_exactly():
+def test_skip_matches_the_attribute_name_exactly_and_keeps_what_is_inside():
     model = nn.Module()
     for name in ("gate", "gate_proj", "router", "lm_head", "head", "up"):
         setattr(model, name, nn.Linear(32, 16))
     model.inner = nn.Sequential(nn.Linear(32, 32), nn.ReLU())
     model.inner.lm_head = nn.Linear(32, 8)
+    # routers holding their linear layer under another name (SwitchTransformers' router.classifier,
+    # HunYuan's gate.wg): quantised, they route tokens to other experts
+    model.block = nn.Module()
+    model.block.router, model.block.gate = nn.Module(), nn.Module()
+    model.block.router.classifier, model.block.gate.wg = nn.Linear(32, 8), nn.Linear(32, 8)
+    model.block.gate_proj = nn.Sequential(nn.Linear(32, 32))
     convert_linears(model, block_size=(16, 16))
     kept = {n for n, m in model.named_modules() if type(m) is nn.Linear}
-    assert kept == {"gate", "router", "lm_head", "inner.lm_head"}
+    assert kept == {"gate", "router", "lm_head", "inner.lm_head", "block.router.classifier", "block.gate.wg"}
+    assert isinstance(model.block.gate_proj[0], FP8Linear)
     assert isinstance(model.gate_proj, FP8Linear) and isinstance(model.inner[0], FP8Linear)
     convert_linears(model, skip=(), block_size=(16, 16))
     assert not any(type(m) is nn.Linear for m in model.modules())

@@ -470,6 +470,15 @@ def test_convert_linears_per_tensor_transformers_fp8():
     assert rel_err(new(x), x.double() @ (tf.weight.double() * s.double()).T) < 0.08
 
 
+@pytest.mark.skipif(not hasattr(_tf_fp8, "FP8GroupedLinear"), reason="no FP8GroupedLinear in this transformers")
+def test_convert_linears_leaves_a_subclass_of_transformers_fp8_linear_alone():
+    # DeepSeek-V4's block-diagonal FP8GroupedLinear: as a plain FP8Linear its groups would be dropped
+    grouped = _tf_fp8.FP8GroupedLinear(32, 64, n_groups=4, block_size=(16, 32))
+    model = torch.nn.Sequential(grouped, TfFP8Linear(64, 32, block_size=(16, 32)))
+    convert_linears(model)
+    assert model[0] is grouped and isinstance(model[1], FP8Linear)
+
+
 def _experts_container(experts: torch.nn.Module) -> torch.nn.Module:
     container = torch.nn.Module()
     container.experts = experts

@@ -62,7 +62,9 @@ def _from_transformers_fp8(tf_linear: nn.Linear) -> FP8Linear:
 
 
 def _convert(module: nn.Module, tf_class: type | None, block_size: Sequence[int], scale_dtype: torch.dtype) -> FP8Linear | None:
-    if tf_class is not None and isinstance(module, tf_class):
+    # exactly transformers' FP8Linear: a subclass (FP8GroupedLinear, block-diagonal groups) computes
+    # something else with the same weights and is left as it is
+    if tf_class is not None and type(module) is tf_class:
         if module.weight.dtype == torch.float8_e4m3fn:
             return _from_transformers_fp8(module)
         if module.weight.dtype == torch.int8:
@@ -87,11 +89,15 @@ def convert_linears(
       (out, in) is block-quantised with :func:`fp8_moe_ops.quantize_weight` (``block_size``,
       ``scale_dtype``); a bias is kept.  Dynamic activation scheme (see
       :func:`fp8_moe_ops.calibrate_static_scales` for static scales).
-    * transformers' ``FP8Linear``: the new module shares its fp8 weight, ``weight_scale_inv``,
-      static ``activation_scale`` and bias (no copy), with its block size and scheme.
+    * transformers' ``FP8Linear`` (exactly that class; its subclasses, such as
+      ``FP8GroupedLinear``, are left as they are): the new module shares its fp8 weight,
+      ``weight_scale_inv``, static ``activation_scale`` and bias (no copy), with its block
+      size and scheme.
 
     A module whose own attribute name (the last part of its qualified name) is exactly one
-    of ``skip`` is left in full precision: routers and heads.  ``gate_proj`` is not ``gate``.
+    of ``skip`` is left in full precision, and so is every module inside it: routers and
+    heads, also those that hold their linear layer under another name (``router.classifier``,
+    ``gate.wg``).  ``gate_proj`` is not ``gate``.
 
     A linear layer registered under several names (tied) becomes one ``FP8Linear``
     registered under the same names.  Every layer is converted before any is replaced: one
@@ -115,6 +121,8 @@ def convert_linears(
     converted = {}  # a linear layer registered in several places becomes one FP8Linear (shared, as it was)
     places = []
     for path, parent in model.named_modules():
+        if not skip.isdisjoint(path.split(".")):
+            continue  # inside a skipped module (named_modules still walks into it)
         # _modules, not named_children(): that one lists a module held twice by one parent once
         for name, child in parent._modules.items():
             if child is None or name in skip:
