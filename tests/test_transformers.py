@@ -396,6 +396,19 @@ def test_quantize_experts_compiles_outside_no_grad_and_refuses_backward():
         out.float().sum().backward()
 
 
+def test_quantize_experts_keeps_shared_experts_shared():
+    # one experts module in two layers and under two names of one parent: one FP8Experts in all
+    # three places (named_children() lists a module held twice by one parent once)
+    ref = bf16_model()
+    shared = ref.model.layers[0].mlp.experts
+    ref.model.layers[1].mlp.experts = shared
+    ref.model.layers[0].mlp.register_module("experts_alias", shared)
+    model = integration.quantize_experts(copy.deepcopy(ref), "static", batches(1))
+    new = model.model.layers[0].mlp.experts
+    assert isinstance(new, FP8Experts) and new.activation_scheme == "static"
+    assert model.model.layers[1].mlp.experts is new and model.model.layers[0].mlp.experts_alias is new
+
+
 def test_quantize_experts_rejects_bad_arguments():
     ref = bf16_model()
     with pytest.raises(ValueError, match="calibration_batches"):

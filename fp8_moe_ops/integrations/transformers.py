@@ -364,10 +364,15 @@ def quantize_experts(
         raise ValueError("calibration_batches: expected None with activation_scheme='dynamic' (only static scales are calibrated)")
     check_batches(calibration_batches, "[input_ids]")
 
-    found, already = [], 0
+    found, places, already = {}, [], 0  # found: each experts module once -> its activation; places: where each is
     for parent in model.modules():
-        for name, child in parent.named_children():
-            if isinstance(child, FP8Experts) or not _is_fused_experts(child):
+        # _modules, not named_children(): that one lists a module held twice by one parent once; a module
+        # held in several places becomes one FP8Experts held in the same places (shared, as it was)
+        for name, child in parent._modules.items():
+            if child in found:
+                places.append((parent, name, child))
+                continue
+            if child is None or isinstance(child, FP8Experts) or not _is_fused_experts(child):
                 already += isinstance(child, FP8Experts)
                 continue
             if not child.down_proj.is_floating_point() or child.down_proj.element_size() == 1:
@@ -383,26 +388,27 @@ def quantize_experts(
                 raise NotImplementedError(
                     f"{type(child).__name__}: a custom _apply_gate (model-specific gating) is not supported by the fp8_moe ops"
                 )
-            found.append((parent, name, child, _activation_name(getattr(child, "act_fn", None))))
+            found[child] = _activation_name(getattr(child, "act_fn", None))
+            places.append((parent, name, child))
     if not found:
         raise ValueError("model: expected fused experts modules (3-D gate_up_proj / down_proj float parameters), "
                          f"found none ({already} already quantised)")
 
-    new_experts = []
-    for parent, name, child, activation in found:
+    new_experts = {}
+    for child, activation in found.items():
         gate_up, down = child.gate_up_proj.detach(), child.down_proj.detach()
         if getattr(child, "is_transposed", False):
             # Stored (E, H, 2I) / (E, I, H) for ``x @ w``; the ops take (out, in).
             gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
         with torch.no_grad():
-            new_experts.append(FP8Experts.from_float(gate_up, down, block_size, activation, dispatch, scale_dtype))
-    for (parent, name, *_), new in zip(found, new_experts):
-        setattr(parent, name, new)
+            new_experts[child] = FP8Experts.from_float(gate_up, down, block_size, activation, dispatch, scale_dtype)
+    for parent, name, child in places:
+        setattr(parent, name, new_experts[child])
     if activation_scheme == "static":
         try:
-            calibrate_static_scales(_Scoped(model, new_experts), ((b,) for b in calibration_batches))
+            calibrate_static_scales(_Scoped(model, list(new_experts.values())), ((b,) for b in calibration_batches))
         except BaseException:
-            for parent, name, child, _ in found:  # the model as it was: the call can be retried
+            for parent, name, child in places:  # the model as it was: the call can be retried
                 setattr(parent, name, child)
             raise
     logger.info("quantize_experts: %d experts modules quantised (%s, dispatch=%s)", len(found), activation_scheme, dispatch)
