@@ -629,6 +629,17 @@ def test_experts_empty_tokens():
     assert out.shape == (0, args[0].shape[1])
 
 
+@pytest.mark.parametrize("op", ["grouped_experts", "batched_experts"])
+def test_experts_of_hidden_size_zero_give_an_empty_output_as_the_reference(op):
+    # H = 0: (T, 0) on every device (the launch configs divided by it)
+    E, T, k, I = 3, 4, 2, 16
+    args = dict(hidden=torch.randn(T, 0, dtype=torch.bfloat16), top_k_index=torch.tensor([[0, 1]] * T),
+                top_k_weights=torch.rand(T, k), gate_up_proj=torch.zeros(E, 2 * I, 0, dtype=FP8),
+                gate_up_scale_inv=torch.ones(E, 2, 0), down_proj=torch.zeros(E, 0, I, dtype=FP8),
+                down_scale_inv=torch.ones(E, 0, 1), block_size=[16, 16])
+    assert getattr(kernels, op)(**args).shape == getattr(torch.ops.fp8_moe, op)(**args).shape == (T, 0)
+
+
 def _arg_names():
     from fp8_moe_ops.kernels.experts import ARG_NAMES
 

@@ -276,7 +276,7 @@ def experts_forward(sources: dict, E: int, I: int, block: tuple[int, int], gate_
     hidden, top_k_index = sources["hidden"], sources["top_k_index"]
     T, H = hidden.shape
     out = torch.empty_like(hidden, memory_format=torch.contiguous_format)
-    if T == 0:
+    if T == 0 or H == 0:  # an empty output (the launch configs divide by H)
         return out, {}, Layout([], 0), []
     k = top_k_index.shape[1]
     sorted_a = _sorted_a(hidden.device, gate_up, T * k, E, I, H, block)
