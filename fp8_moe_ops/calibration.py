@@ -55,7 +55,7 @@ def _run_batch(model: nn.Module, batch, batches, index: int) -> None:
     except TypeError as exc:
         if index == 0 and isinstance(batches, list) and len(batches) > 1 \
                 and all(isinstance(b, torch.Tensor) for b in batches):
-            raise TypeError(f"calibration_batches: expected an iterable of batches, got a {type(batches).__name__} "
+            raise TypeError(f"calibration_batches: expected an iterable of batches, got a list "
                             f"of {len(batches)} tensors, each run as a batch alone (model(tensor) raised: {exc}); "
                             f"to calibrate on one batch of several arguments, wrap it in a list: "
                             f"[(hidden, top_k_index, top_k_weights)]") from exc

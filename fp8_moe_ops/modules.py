@@ -204,7 +204,7 @@ class FP8Linear(_CheckedStateDict, nn.Module):
     def _optional(self, name: str) -> tuple[torch.dtype, tuple[int, ...]] | None:
         if name == "activation_scale":
             return torch.float32, (1,)
-        if name == "bias":
+        if name == "bias":  # (the constructor's dtype; a bias may be any float dtype: _check_replacement)
             return torch.float32, (self.out_features,)
         return None
 
@@ -300,12 +300,11 @@ class FP8Experts(_CheckedStateDict, nn.Module):
 
     _STATIC_SCALES = ("gate_up_proj_activation_scale", "down_proj_activation_scale")
     num_experts, hidden_size = _fixed("num_experts"), _fixed("hidden_size")
+    intermediate_size, block_size = _fixed("intermediate_size"), _fixed("block_size")
+    _PROPERTIES = ("num_experts", "hidden_size", "intermediate_size", "block_size", "swiglu_limit")
 
     def _optional(self, name: str) -> tuple[torch.dtype, tuple[int, ...]] | None:
         return (torch.float32, (self.num_experts,)) if name in self._STATIC_SCALES else None
-
-    intermediate_size, block_size = _fixed("intermediate_size"), _fixed("block_size")
-    _PROPERTIES = ("num_experts", "hidden_size", "intermediate_size", "block_size", "swiglu_limit")
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
                  block_size: Sequence[int] = (128, 128), activation: str = "silu",

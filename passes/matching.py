@@ -49,9 +49,10 @@ _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 class Skip(Exception):
     """A loop that is left as it is; ``static`` says why in the counter's name."""
 
-    def __init__(self, reason: str, static: bool = False):
+    def __init__(self, reason: str, static: bool = False, experts: int | None = None):
         super().__init__(reason)
         self.static = static
+        self.experts = experts  # the loop's expert steps, where not every step of its chain is one
 
 
 # --------------------------------------------------------------------------- small helpers
@@ -552,8 +553,9 @@ def find_loop(steps: list, step_of=accumulation_step) -> Candidate | None:
     if not any(is_call(n, LINEAR) for b in bodies for n in b):
         return None
     if strays:
-        raise Skip(f"{strays} of the {len(steps)} steps of its accumulation add rows that no torch.where of "
-                   f"top_k_index selects (say a shared term added into the same accumulator)")
+        raise Skip(f"{strays} of the {len(steps)} steps of its accumulation add{'s' if strays == 1 else ''} rows "
+                   f"that no torch.where of top_k_index selects (say a shared term added into the same accumulator)",
+                   experts=len(steps) - strays)
     return Candidate(steps, nzs, bodies)
 
 

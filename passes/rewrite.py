@@ -222,7 +222,8 @@ def rewrite_moe_loops(graph: Graph) -> int:
         except Skip as skip:
             kind = "static" if skip.static else "unsupported"
             counters["fp8_moe"][f"loops_skipped_{kind}"] += 1
-            log.info("fp8_moe_ops.passes: a loop over %d experts was left eager because %s", len(steps), skip)
+            log.info("fp8_moe_ops.passes: a loop over %d experts was left eager because %s",
+                     len(steps) if skip.experts is None else skip.experts, skip)
             continue
         counters["fp8_moe"]["loops_rewritten"] += 1
         done += 1
@@ -230,13 +231,14 @@ def rewrite_moe_loops(graph: Graph) -> int:
                  "(activation=%s, swiglu_limit=%s, %s)", len(steps), op, loop.iters[0].activation.name,
                  loop.iters[0].activation.limit, loop.numerics)
     for steps in read_modify_write_chains(graph):
+        experts = len(steps)
         try:
             if find_loop(steps, read_modify_write_step) is None:
                 continue
             reason = ("it combines with out[tok] += v, which keeps one sum of a token that top_k_index routes to an "
                       "expert twice (the grouped op adds both); out.index_add_(0, tok, v) is the combine it replaces")
         except Skip as skip:
-            reason = str(skip)
+            reason, experts = str(skip), skip.experts
         counters["fp8_moe"]["loops_skipped_unsupported"] += 1
-        log.info("fp8_moe_ops.passes: a loop over %d experts was left eager because %s", len(steps), reason)
+        log.info("fp8_moe_ops.passes: a loop over %d experts was left eager because %s", experts, reason)
     return done

@@ -488,6 +488,8 @@ def test_convert_linears_leaves_a_subclass_of_transformers_fp8_linear_alone():
     # DeepSeek-V4's block-diagonal FP8GroupedLinear: as a plain FP8Linear its groups would be dropped
     grouped = _tf_fp8.FP8GroupedLinear(32, 64, n_groups=4, block_size=(16, 32))
     model = torch.nn.Sequential(grouped, TfFP8Linear(64, 32, block_size=(16, 32)))
+    with torch.no_grad():  # transformers allocates them empty: the shared scales must be valid ones
+        model[1].weight_scale_inv.fill_(1.0)
     convert_linears(model)
     assert model[0] is grouped and isinstance(model[1], FP8Linear)
 

@@ -364,7 +364,7 @@ def quantize_experts(
         raise ValueError("calibration_batches: expected None with activation_scheme='dynamic' (only static scales are calibrated)")
     check_batches(calibration_batches, "[input_ids]")
 
-    found, places, already = {}, [], 0  # found: each experts module once -> its activation; places: where each is
+    found, places, already = {}, [], set()  # each experts module once -> its activation; where each is; quantised
     for parent in model.modules():
         # _modules, not named_children(): that one lists a module held twice by one parent once; a module
         # held in several places becomes one FP8Experts held in the same places (shared, as it was)
@@ -373,12 +373,13 @@ def quantize_experts(
                 places.append((parent, name, child))
                 continue
             if child is None or isinstance(child, FP8Experts) or not _is_fused_experts(child):
-                already += isinstance(child, FP8Experts)
+                if isinstance(child, FP8Experts):
+                    already.add(child)
                 continue
             if not child.down_proj.is_floating_point() or child.down_proj.element_size() == 1:
                 logger.info("quantize_experts: %s.%s already holds %s experts, left as is",
                             type(parent).__name__, name, child.down_proj.dtype)
-                already += 1
+                already.add(child)
                 continue
             _check_gating(child, allow_transposed=True)
             if not isinstance(getattr(child, "gate_up_proj", None), torch.Tensor):
@@ -392,7 +393,7 @@ def quantize_experts(
             places.append((parent, name, child))
     if not found:
         raise ValueError("model: expected fused experts modules (3-D gate_up_proj / down_proj float parameters), "
-                         f"found none ({already} already quantised)")
+                         f"found none ({len(already)} already quantised)")
 
     new_experts = {}
     for child, activation in found.items():
