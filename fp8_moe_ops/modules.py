@@ -93,7 +93,8 @@ class _CheckedStateDict:
     positive: a ``TypeError`` / ``ValueError`` names the attribute or key.  An optional
     parameter that is unset (static scales under the dynamic scheme, a bias) is checked
     against what the module would hold (:meth:`_optional`); a static scale cannot be
-    unset while the scheme is static.  A module pickled whole (``torch.save(module)``)
+    unset while the scheme is static, nor the scheme set static before they exist
+    (``activation_scheme``).  A module pickled whole (``torch.save(module)``)
     before its settings became properties loads too.  Dtype casts of a whole model leave
     the parameters' dtypes alone (:meth:`_apply`)."""
 
@@ -103,6 +104,17 @@ class _CheckedStateDict:
     def _optional(self, name: str) -> tuple[torch.dtype, tuple[int, ...]] | None:
         """(dtype, shape) of ``name`` if it is an optional parameter, else None."""
         return None
+
+    @property
+    def activation_scheme(self) -> str:
+        return self._activation_scheme
+
+    @activation_scheme.setter
+    def activation_scheme(self, value: str) -> None:
+        check_choice("activation_scheme", value, SCHEMES)
+        if value == "static":
+            _check_static_ready(self, self._STATIC_SCALES)
+        self._activation_scheme = value
 
     def _apply(self, fn, recurse: bool = True):
         """``model.half()`` / ``model.to(torch.bfloat16)`` cast every floating parameter, the
@@ -227,17 +239,6 @@ class FP8Linear(_CheckedStateDict, nn.Module):
         self.bias = _frozen(torch.zeros(out_features, device=device)) if bias else None
         self.activation_scheme = activation_scheme
 
-    @property
-    def activation_scheme(self) -> str:
-        return self._activation_scheme
-
-    @activation_scheme.setter
-    def activation_scheme(self, value: str) -> None:
-        check_choice("activation_scheme", value, SCHEMES)
-        if value == "static":
-            _check_static_ready(self, self._STATIC_SCALES)
-        self._activation_scheme = value
-
     @classmethod
     def from_float(cls, linear: nn.Linear, block_size: Sequence[int] = (128, 128),
                    scale_dtype: torch.dtype = torch.float32) -> FP8Linear:
@@ -352,17 +353,6 @@ class FP8Experts(_CheckedStateDict, nn.Module):
     @swiglu_limit.setter
     def swiglu_limit(self, value: float | None) -> None:
         self._swiglu_limit = check_swiglu_limit(value)
-
-    @property
-    def activation_scheme(self) -> str:
-        return self._activation_scheme
-
-    @activation_scheme.setter
-    def activation_scheme(self, value: str) -> None:
-        check_choice("activation_scheme", value, SCHEMES)
-        if value == "static":
-            _check_static_ready(self, self._STATIC_SCALES)
-        self._activation_scheme = value
 
     @classmethod
     def from_float(cls, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, block_size: Sequence[int] = (128, 128),

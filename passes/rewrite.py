@@ -220,10 +220,8 @@ def rewrite_moe_loops(graph: Graph) -> int:
             loop = prove(candidate)
             op = _rewrite(graph, loop)
         except Skip as skip:
-            kind = "static" if skip.static else "unsupported"
-            counters["fp8_moe"][f"loops_skipped_{kind}"] += 1
-            log.info("fp8_moe_ops.passes: a loop over %d experts was left eager because %s",
-                     len(steps) if skip.experts is None else skip.experts, skip)
+            _skipped("static" if skip.static else "unsupported", len(steps) if skip.experts is None else skip.experts,
+                     skip)
             continue
         counters["fp8_moe"]["loops_rewritten"] += 1
         done += 1
@@ -238,7 +236,12 @@ def rewrite_moe_loops(graph: Graph) -> int:
             reason = ("it combines with out[tok] += v, which keeps one sum of a token that top_k_index routes to an "
                       "expert twice (the grouped op adds both); out.index_add_(0, tok, v) is the combine it replaces")
         except Skip as skip:
-            reason, experts = str(skip), skip.experts
-        counters["fp8_moe"]["loops_skipped_unsupported"] += 1
-        log.info("fp8_moe_ops.passes: a loop over %d experts was left eager because %s", experts, reason)
+            reason, experts = skip, skip.experts
+        _skipped("unsupported", experts, reason)
     return done
+
+
+def _skipped(kind: str, experts: int, reason) -> None:
+    """Counts a loop left eager (``loops_skipped_<kind>``) and logs why."""
+    counters["fp8_moe"][f"loops_skipped_{kind}"] += 1
+    log.info("fp8_moe_ops.passes: a loop over %d experts was left eager because %s", experts, reason)
