@@ -84,14 +84,17 @@ def _same_shape(a: tuple, b: tuple) -> bool:
     return len(a) == len(b) and all(same_size(x, y) for x, y in zip(a, b))
 
 
-def same_tokens(a: tuple, b: tuple) -> bool:
-    """Whether two per-token shapes (hidden states, ids, routing weights) agree.  Once
-    Dynamo makes the token count dynamic (a second batch size), each input's count is
-    its own symbol and nothing in the graph proves them equal: under ``torch.compile``
-    they must then be equal in this compilation's example, and the equality becomes a
-    guard, so an input where they differ recompiles.  Ahead of time (AOTInductor) no
-    guard is checked at run time, so only a proven equality counts (export the three
-    inputs with one ``Dim`` for the token count)."""
+def same_or_guarded(a: tuple, b: tuple) -> bool:
+    """Whether two shapes of activations (hidden states, ids, routing weights, the
+    accumulator, a gathered row block) agree.  Under ``torch.compile(dynamic=True)``, or
+    once Dynamo makes the token count dynamic (a second batch size), each input's sizes
+    are their own symbols, and nothing in the graph proves that two inputs have as many
+    rows, or that the hidden width equals a model's constant ``H`` (``hidden[None,
+    tok].reshape(-1, H)``, ``torch.zeros(T, H)``).  Under ``torch.compile`` they must then
+    be equal in this compilation's example, and the equality becomes a guard, so an input
+    where they differ recompiles.  Ahead of time (AOTInductor) no guard is checked at run
+    time, so only a proven equality counts (export the three inputs with one ``Dim`` for
+    the token count)."""
     if V.aot_compilation:
         return _same_shape(a, b)
     return len(a) == len(b) and all(guard_or_false(x == y) for x, y in zip(a, b))
@@ -263,7 +266,7 @@ def _gather(n):
         if is_call(inner, aten.index.Tensor) and len(inner.args[1]) == 2 and inner.args[1][0] is None:
             u = inner.args[0]
             if (is_call(u, aten.unsqueeze.default) and u.args[1] == 0 and len(shape_of(u.args[0])) == 2
-                    and same_size(shape_of(n)[1], shape_of(u.args[0])[1])):
+                    and same_or_guarded(shape_of(n)[1:], shape_of(u.args[0])[1:])):
                 return u.args[0], inner.args[1][1]
     return None
 
@@ -382,7 +385,7 @@ def _match_iter(rows: Node, value: Node, acc_dtype: torch.dtype) -> Iteration:
     top_k_weights, rw_tok, rw_pos = rw
     if not (is_coord(rw_tok, tok_c) and is_coord(rw_pos, pos_c)):
         raise Skip("the routing weight is not top_k_weights[tok, pos] of this expert's tokens")
-    if not same_tokens(shape_of(top_k_weights), shape_of(top_k_index)) or _dtype(top_k_weights) not in _FLOATS:
+    if not same_or_guarded(shape_of(top_k_weights), shape_of(top_k_index)) or _dtype(top_k_weights) not in _FLOATS:
         raise Skip("routing weights and top_k_index differ in shape, or the weights are not bf16/fp16/fp32")
 
     a, wd, sd, bs, _, od = _linear_args(down)
@@ -619,9 +622,9 @@ def prove(c: Candidate) -> Loop:
 
     hidden_dtype = _dtype(first.hidden)
     hs = shape_of(first.hidden)
-    if not _same_shape(shape_of(acc), hs) or _val(acc).device != _val(first.hidden).device:
+    if not same_or_guarded(shape_of(acc), hs) or _val(acc).device != _val(first.hidden).device:
         raise Skip("the accumulator's shape or device is not that of the hidden states")
-    if not same_tokens(shape_of(first.top_k_index)[:1], hs[:1]):
+    if not same_or_guarded(shape_of(first.top_k_index)[:1], hs[:1]):
         raise Skip("top_k_index does not have one row per token")
     if _dtype(first.top_k_index) not in (torch.int32, torch.int64):
         raise Skip("top_k_index is not int32/int64")

@@ -38,6 +38,25 @@ class TestDynamic(TestCase):
             self.assertTrue(torch.equal(got, want))
 
 
+    def test_dynamic_shapes_with_a_constant_width(self):
+        # dynamic=True makes the hidden width a symbol too; the Mixtral gather
+        # hidden[None, tok].reshape(-1, H) and its accumulator zeros(T, H) use the model's
+        # constant H: rewritten, the width guarded equal to it
+        from test_pass_common import Loop
+        for m in (MixtralLoop(), Loop(experts(), gather="none_reshape")):
+            with self.subTest(model=type(m).__name__), fresh_counters(), torch.no_grad():
+                c = torch.compile(m, fullgraph=True, dynamic=True)
+                for T in (5, 9, 17):
+                    args = inputs(T, seed=50 + T)
+                    if isinstance(m, MixtralLoop):  # rewritten into the list op: the stacked op's numbers
+                        want = torch.ops.fp8_moe.grouped_experts(*args, *stacked_from_mixtral(m), BLOCK)
+                    else:  # the same arithmetic as the loop
+                        want = m(*args)
+                    self.assertTrue(torch.equal(c(*args), want))
+                self.assertEqual(counters["stats"]["unique_graphs"], 1)
+                self.assertEqual(fp8_counters(), {"loops_rewritten": 1})
+
+
     def test_automatic_dynamic_token_count(self):
         # how a served model meets dynamic shapes: compiled with defaults, a second batch
         # size recompiles with dynamic token counts, each input's count its own symbol
@@ -62,7 +81,7 @@ class TestDynamic(TestCase):
         from torch._inductor.virtualized import V
         from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-        from passes.matching import same_tokens
+        from passes.matching import same_or_guarded
 
         env = ShapeEnv(duck_shape=False)  # each input's count its own symbol, as automatic dynamic gives
 
@@ -71,12 +90,20 @@ class TestDynamic(TestCase):
 
         index_rows, weight_rows, other_rows = count("index", 6), count("weights", 6), count("other", 7)
         with V.set_aot_compilation(True):
-            self.assertFalse(same_tokens((index_rows, 2), (weight_rows, 2)))
+            self.assertFalse(same_or_guarded((index_rows, 2), (weight_rows, 2)))
         self.assertEqual(env.guards, [])
-        self.assertTrue(same_tokens((index_rows, 2), (weight_rows, 2)))
+        self.assertTrue(same_or_guarded((index_rows, 2), (weight_rows, 2)))
         self.assertEqual(len(env.guards), 1)  # the equality, to be checked on every call
-        self.assertFalse(same_tokens((index_rows, 2), (other_rows, 2)))
-        self.assertTrue(same_tokens((index_rows, 2), (index_rows, 2)))
+        self.assertFalse(same_or_guarded((index_rows, 2), (other_rows, 2)))
+        self.assertTrue(same_or_guarded((index_rows, 2), (index_rows, 2)))
+        # the hidden width, a symbol under dynamic=True, against a model's constant H
+        width = count("width", 32)
+        symbol = width.node.expr
+        with V.set_aot_compilation(True):
+            self.assertFalse(same_or_guarded((width,), (32,)))
+        self.assertTrue(same_or_guarded((width,), (32,)))
+        self.assertEqual(str(env.guards[-1].expr), f"Eq({symbol}, 32)")
+        self.assertFalse(same_or_guarded((width,), (16,)))
 
 
 class TestFxGraphCache(TestCase):
