@@ -1,5 +1,7 @@
 """FP8Linear, FP8Experts, calibration, torch.export + AOTInductor."""
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -182,6 +184,31 @@ def test_convert_linears_keeps_tied_linears_tied():
     assert isinstance(model["a"], FP8Linear) and model["a"] is model["b"][0]
     assert model["b"][2] is model["a"]  # twice in one parent: its second place was left a Linear
     assert isinstance(model["b"][1], FP8Linear) and len(list(model.modules())) == 4
+
+
+class _StackedExperts(nn.Module):
+    """transformers 5.x's fused experts: stacked 3-D weights, no linear layer."""
+
+    def __init__(self, dtype=torch.bfloat16):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.zeros(4, 32, 16, dtype=dtype))
+        self.down_proj = nn.Parameter(torch.zeros(4, 16, 16, dtype=dtype))
+
+
+def test_convert_linears_warns_about_stacked_expert_weights_it_leaves():
+    model = nn.ModuleDict({"attn": nn.Linear(16, 16), "layers": nn.ModuleList(
+        nn.ModuleDict({"experts": _StackedExperts()}) for _ in range(2))})
+    with pytest.warns(UserWarning, match=r"2 module\(s\) hold expert weights stacked .* layers\.0\.experts "
+                                         r"\(_StackedExperts\): gate_up_proj, down_proj.*quantize_experts"):
+        fp8_moe_ops.convert_linears(model, block_size=(16, 16))
+    assert isinstance(model["attn"], FP8Linear)
+    assert model["layers"][0]["experts"].down_proj.dtype == torch.bfloat16
+    # none to leave: no warning (fp8 stacks, a skipped module's stacks, 2-D weights only)
+    quiet = nn.ModuleDict({"experts": FP8Experts.from_float(*_float_experts(E=4, H=64, I=32), block_size=(32, 32)),
+                           "router": nn.ModuleDict({"x": _StackedExperts()}), "mlp": nn.Linear(16, 16)})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fp8_moe_ops.convert_linears(quiet, block_size=(16, 16))
 
 
 def test_convert_linears_names_the_layer_it_cannot_convert_and_changes_nothing():

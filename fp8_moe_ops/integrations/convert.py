@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -61,6 +62,18 @@ def _from_transformers_fp8(tf_linear: nn.Linear) -> FP8Linear:
     return mod
 
 
+def _stacked_expert_weights(module: nn.Module) -> list[str]:
+    """The names of ``module``'s own 3-D floating parameters where it holds no fp8 one:
+    expert weights stacked along a first expert dimension (transformers 5.x's fused
+    experts, ``gate_up_proj`` (E, 2I, H) and ``down_proj`` (E, H, I)), which no linear
+    layer holds.  (A module with fp8 weights, ``FP8Experts`` or transformers' FP8 experts,
+    holds its 3-D scales beside them.)"""
+    params = dict(module.named_parameters(recurse=False))
+    if any(p.dtype == torch.float8_e4m3fn for p in params.values()):
+        return []
+    return [name for name, p in params.items() if p.dim() == 3 and p.is_floating_point()]
+
+
 def _convert(module: nn.Module, tf_class: type | None, block_size: Sequence[int], scale_dtype: torch.dtype) -> FP8Linear | None:
     # exactly transformers' FP8Linear: a subclass (FP8GroupedLinear, block-diagonal groups) computes
     # something else with the same weights and is left as it is
@@ -99,6 +112,10 @@ def convert_linears(
     heads, also those that hold their linear layer under another name (``router.classifier``,
     ``gate.wg``).  ``gate_proj`` is not ``gate``.
 
+    Expert weights stacked in 3-D parameters (transformers 5.x's fused experts) are no
+    linear layer's: they stay in full precision, with a ``UserWarning`` that points to
+    :func:`fp8_moe_ops.integrations.transformers.quantize_experts`.
+
     A linear layer registered under several names (tied) becomes one ``FP8Linear``
     registered under the same names.  Every layer is converted before any is replaced: one
     that cannot be (a weight on the meta device, say) raises, naming its path, and leaves
@@ -120,9 +137,13 @@ def convert_linears(
     # the model as it was, and the error names that layer
     converted = {}  # a linear layer registered in several places becomes one FP8Linear (shared, as it was)
     places = []
+    stacked = []  # (path, class, names) of modules holding stacked expert weights, left as they are
     for path, parent in model.named_modules():
         if not skip.isdisjoint(path.split(".")):
             continue  # inside a skipped module (named_modules still walks into it)
+        names = _stacked_expert_weights(parent)
+        if names:
+            stacked.append((path, type(parent).__name__, names))
         # _modules, not named_children(): that one lists a module held twice by one parent once
         for name, child in parent._modules.items():
             if child is None or name in skip:
@@ -138,5 +159,12 @@ def convert_linears(
     for parent, name, new in places:
         setattr(parent, name, new)
     replaced = sum(new is not None for new in converted.values())
+    if stacked:
+        path, cls, names = stacked[0]
+        warnings.warn(
+            f"convert_linears: {len(stacked)} module(s) hold expert weights stacked in 3-D tensors, which it "
+            f"leaves in full precision (the first: {path or 'the model'} ({cls}): {', '.join(names)}); it converts "
+            f"linear layers only. For transformers 5.x MoE models, quantise those experts with "
+            f"fp8_moe_ops.integrations.transformers.quantize_experts(model)", UserWarning, stacklevel=2)
     logger.info("convert_linears: %d linear layers converted to FP8Linear (skipped names: %s)", replaced, sorted(skip))
     return model
