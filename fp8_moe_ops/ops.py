@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
+import torch.autograd.forward_ad as _forward_ad
 
 from . import reference
 from ._checks import (ACT_DTYPES, INDEX_DTYPES, SCALE_DTYPES, check_block_size, check_scale_values, check_sizes,
@@ -287,6 +288,31 @@ class _NoAutograd(torch.autograd.Function):
         return _refused_gradients(ctx.name, grad, ctx.metas, ctx.needs_input_grad)
 
 
+def _refuse_tangents(op, args: tuple, tensor_lists: list) -> None:
+    """Raises where an argument carries a forward-mode tangent (``torch.autograd.forward_ad``,
+    ``torch.func.jvp``): the ops have no forward-mode formula, and their kernels would
+    otherwise pass a tangent straight through the quantisation or drop it."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)] + [t for i in tensor_lists for t in args[i]]
+    if any(_forward_ad.unpack_dual(t).tangent is not None for t in tensors):
+        raise RuntimeError(f"{op.name()} has no forward-mode AD formula (an inference op): call it on tensors "
+                           "without tangents (torch.autograd.forward_ad.unpack_dual(x).primal)")
+
+
+def _without_autocast(cpu_impl):
+    """``cpu_impl`` with CPU autocast off: the reference's float32 GEMMs are the ops'
+    numerics (a float32 sum, each GEMM rounded once to its output dtype), which autocast
+    would run in bf16 or fp16.  The CUDA kernels do not see autocast; compiled graphs
+    run the op without it."""
+
+    def cpu_kernel(*args):
+        if torch.is_autocast_enabled("cpu"):
+            with torch.autocast("cpu", enabled=False):
+                return cpu_impl(*args)
+        return cpu_impl(*args)
+
+    return cpu_kernel
+
+
 def _define(name: str, schema: str, cpu_impl, cuda_impl, fake):
     """Defines op ``fp8_moe::<name>`` on :data:`_LIB`: ``cpu_impl`` and ``cuda_impl``
     (called with the op's arguments positionally, trailing defaults possibly left out),
@@ -299,6 +325,7 @@ def _define(name: str, schema: str, cpu_impl, cuda_impl, fake):
     here costs about 3 µs (measured on the CPU machine).  Returns the op's packet."""
     _LIB.define(name + schema)
     op = getattr(torch.ops.fp8_moe, name).default
+    cpu_impl = _without_autocast(cpu_impl)
     tensor_lists = [i for i, a in enumerate(op._schema.arguments) if str(a.type) == "List[Tensor]"]
     backends = {torch._C.DispatchKey.CPU: cpu_impl, torch._C.DispatchKey.CUDA: cuda_impl}
     _KERNELS[name] = {"cpu": cpu_impl, "cuda": cuda_impl}
@@ -310,9 +337,16 @@ def _define(name: str, schema: str, cpu_impl, cuda_impl, fake):
     def autograd_impl(keyset, *args):
         # the dispatcher passes every argument positionally (no schema has keyword-only ones);
         # _any_requires_grad does not look into the list op's Tensor[] arguments
+        if _forward_ad._current_level >= 0:
+            _refuse_tangents(op, args, tensor_lists)
         if torch.is_grad_enabled():
             lists = [args[i] for i in tensor_lists]
             if torch._C._any_requires_grad(*args) or any(torch._C._any_requires_grad(*a) for a in lists):
+                if torch._C._functorch.maybe_current_level() is not None:
+                    # torch.func.grad / vjp / jacrev: they differentiate now, and their
+                    # transform cannot take the function from inside this kernel
+                    raise RuntimeError(f"{op.name()} has no autograd formula (an inference op): torch.func "
+                                       "transforms that differentiate it (grad, vjp, jacrev) are refused")
                 listed = [t for a in lists for t in a if t.requires_grad]
                 return _NoAutograd.apply(op, keyset, len(args), *args, *listed)
         # the key set's own lookup (an intersection and the highest key's enum, hashed)

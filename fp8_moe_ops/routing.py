@@ -41,8 +41,10 @@ def sort_slots(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor
             or expert_ids.dtype == torch.bool:
         fail(TypeError, "expert_ids", "an integer tensor (expert ids)",
              expert_ids.dtype if isinstance(expert_ids, torch.Tensor) else type(expert_ids).__name__)
-    if not _is_int(num_experts) or num_experts < 0:
+    if not _is_int(num_experts):
         fail(TypeError, "num_experts", "a non-negative int", repr(num_experts))
+    if num_experts < 0:
+        fail(ValueError, "num_experts", "a non-negative int", repr(num_experts))
     key, _ = _sort_key(expert_ids.reshape(-1), num_experts)
     sorted_key, perm = torch.sort(key, stable=True)
     # offsets[e] = number of slots with key <= e = first sorted position with key > e

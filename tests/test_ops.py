@@ -313,6 +313,55 @@ def test_compiled_forward_of_inputs_requiring_grad_runs_and_its_backward_raises(
         out.sum().backward()
 
 
+def test_forward_mode_and_torch_func_differentiation_refused_naming_the_op():
+    # a tangent used to pass straight through the CPU reference's quantisation (forward_ad)
+    # or come back zero (torch.func.jvp); torch.func.grad failed with torch's own message
+    import torch.autograd.forward_ad as fwAD
+
+    x, calls = _gemm_calls_of_grad_input()
+    x = x.detach()
+    args = make_experts_inputs(3, 4, 32, 16, 2, [16, 16])
+    weights = args.pop("top_k_weights").float()
+    args["hidden"] = args["hidden"].float()
+    calls["grouped_experts"] = lambda w: OPS.grouped_experts(top_k_weights=w, **args)
+    inputs = {"grouped_experts": weights}
+    for name, call in calls.items():
+        v = inputs.get(name, x)
+        refused = f"fp8_moe::{name} has no forward-mode AD formula \\(an inference op\\)"
+        with fwAD.dual_level(), pytest.raises(RuntimeError, match=refused):
+            call(fwAD.make_dual(v, torch.ones_like(v)))
+        with pytest.raises(RuntimeError, match=refused):
+            torch.func.jvp(call, (v,), (torch.ones_like(v),))
+        with pytest.raises(RuntimeError, match=f"fp8_moe::{name} has no autograd formula \\(an inference op\\): "
+                                               "torch.func transforms"):
+            torch.func.grad(lambda v: call(v).sum())(v)
+        with fwAD.dual_level():  # no tangent on any argument: the op runs
+            assert torch.equal(call(v), call(v.clone()))
+        assert torch.equal(torch.func.vmap(call)(torch.stack([v, v]))[1], call(v))  # no differentiation: runs
+
+
+def test_cpu_ops_ignore_autocast():
+    # the reference's float32 GEMMs are the ops' numerics; under CPU autocast they ran in
+    # bf16 / fp16, and eager no longer matched compiled code (which runs the op without it)
+    x, calls = _gemm_calls_of_grad_input()
+    x = x.detach()
+    args = make_experts_inputs(3, 4, 32, 16, 2, [16, 16])
+    calls["grouped_experts"] = lambda h: OPS.grouped_experts(h, **{k: v for k, v in args.items() if k != "hidden"})
+    inputs = {"grouped_experts": args["hidden"]}
+    for name, call in calls.items():
+        h = inputs.get(name, x)
+        want = call(h)
+        for dtype in (torch.bfloat16, torch.float16):
+            with torch.autocast("cpu", dtype=dtype):
+                got = call(h)
+            assert got.dtype == want.dtype and torch.equal(got, want), (name, dtype)
+    lin = fp8_moe_ops.FP8Linear.from_float(torch.nn.Linear(64, 32, bias=False), block_size=(32, 32))
+    with torch.no_grad():
+        want = lin(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert torch.equal(lin(x), want)  # the module's direct call of the CPU kernel
+
+
 def test_the_autograd_kernel_reaches_what_each_dispatch_key_set_calls_for_after_plain_calls():
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 

@@ -41,6 +41,11 @@ def test_sort_slots_rejects_what_is_not_ids(ids, E, match):
         routing.sort_slots(ids, E)
 
 
+def test_sort_slots_rejects_a_negative_expert_count_as_a_value():
+    with pytest.raises(ValueError, match="num_experts: expected a non-negative int, got -1"):
+        routing.sort_slots(torch.tensor([[0, 1]]), -1)
+
+
 @pytest.mark.parametrize("T,k,E,kind", ROUTING_CASES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_combine_is_the_reference_combine(T, k, E, kind, dtype):
