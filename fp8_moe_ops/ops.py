@@ -508,8 +508,9 @@ def call_experts(name: str, args: Sequence) -> torch.Tensor:
     (``args``: all twelve, in the schema's order); in a plain eager call straight to the
     kernel the dispatcher would reach for the arguments' device.  It dispatches where
     anything between would act: compiling, exporting or tracing; a torch function or
-    dispatch mode, a functorch transform or the profiler active; a tensor subclass; grad
-    enabled with an argument that requires it (the autograd kernel refuses backward).
+    dispatch mode, a functorch transform, a forward-AD level or the profiler active; a
+    tensor subclass; grad enabled with an argument that requires it (the autograd kernel
+    refuses backward).
     The kernel is the op's own, with its checks, so outputs and errors are the op's.
     Skipped, the dispatcher's boxing and autograd kernel cost 2.4-4.6 µs of CPU per call
     on the CPU machine (``bench/module_overhead.py``), 9.9-15.0 µs on the H200 machine's
@@ -539,7 +540,7 @@ def _nothing_to_dispatch(*tensors) -> bool:
     """Whether nothing between a caller and an op's kernel would act on a call with these
     tensors (None: an optional one not given)."""
     if torch.compiler.is_compiling() or _dispatch_modes() or _function_modes() or _transforms() or _profiling() \
-            or _tracing():
+            or _tracing() or _forward_ad._current_level >= 0:
         return False
     for t in tensors:  # a loop: any() over a generator costs more
         if type(t) not in _PLAIN:

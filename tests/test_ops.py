@@ -337,6 +337,10 @@ def test_forward_mode_and_torch_func_differentiation_refused_naming_the_op():
             torch.func.grad(lambda v: call(v).sum())(v)
         with fwAD.dual_level():  # no tangent on any argument: the op runs
             assert torch.equal(call(v), call(v.clone()))
+    # the modules' direct calls of the kernels (ops.call_linear / call_experts) too
+    lin = fp8_moe_ops.FP8Linear.from_float(torch.nn.Linear(64, 32, bias=False), block_size=(32, 32))
+    with fwAD.dual_level(), pytest.raises(RuntimeError, match="fp8_moe::linear has no forward-mode AD formula"):
+        lin(fwAD.make_dual(x, torch.ones_like(x)))
         assert torch.equal(torch.func.vmap(call)(torch.stack([v, v]))[1], call(v))  # no differentiation: runs
 
 

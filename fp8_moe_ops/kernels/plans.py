@@ -237,6 +237,7 @@ def _picker(positions: list):
     return lambda values: tuple(values[i] for i in positions)
 
 
+_TENSORS = (torch.Tensor, torch.nn.Parameter)
 _MAX_PLANS = 4096  # signatures per table; cleared when full (a model has a handful)
 _UNSEEN = object()
 
@@ -312,9 +313,12 @@ class Plans:
         raise NotImplementedError
 
     def __call__(self, args: tuple) -> torch.Tensor:
-        hidden = args[0]
         gluon = ws_gemm.mode()  # the GEMMs a forward launches depend on it: plans are kept per setting
-        cheap = self.cheap_key(args, gluon)
+        try:
+            cheap = self.cheap_key(args, gluon)
+        except TypeError:  # an argument the checks below refuse, naming it (a bare int block size)
+            cheap = None
+        hidden = args[0]
         guarded = False  # whether a remembered call's guard passed (its plan did not replay)
         for guard, tensors_of, sources_of, plan in reversed(self._replays.get(cheap, ())):
             if guard(*tensors_of(args)):
@@ -323,13 +327,19 @@ class Plans:
                     return out
                 guarded = True  # unaligned, or another current device: the keyed path
                 break
+        if any(type(a) in _TENSORS and a.is_neg() for a in args):
+            # a negated view holds its data unnegated and says so by a dispatch key (which
+            # the guards check): the dispatcher resolves it, a direct call of the kernel
+            # (ops.call_experts) does not, and the kernels read memory
+            args = tuple(a.resolve_neg() if type(a) in _TENSORS else a for a in args)
+            hidden = args[0]
         key = (meta_key(args), gluon)
         if key not in self.states:
             self._check(*args)
         sources = self.sources(args)
         out = planned(self.states, key, sources, hidden, lambda: self.forward(args, sources))
         plan = self.states.get(key)
-        if isinstance(plan, LaunchPlan) and not guarded and key not in self._keyed_only:
+        if isinstance(plan, LaunchPlan) and not guarded and cheap is not None and key not in self._keyed_only:
             if not self._remember(cheap, args, sources, plan):
                 if len(self._keyed_only) >= self.MAX_KEYS:
                     self._keyed_only.clear()
