@@ -91,6 +91,7 @@ def calibrate_static_scales(model: nn.Module, calibration_batches: Iterable) -> 
         if m.activation_scheme != "dynamic":
             raise ValueError(f"model: expected dynamic-scheme modules to calibrate, got {type(m).__name__} "
                              f"with activation_scheme={m.activation_scheme!r}")
+    for m in targets:  # only once every module is known to be calibratable: a refusal leaves none set
         device = m.weight.device if isinstance(m, FP8Linear) else m.gate_up_proj.device
         shape = () if isinstance(m, FP8Linear) else (2, m.num_experts)
         m._observer = torch.zeros(shape, device=device)

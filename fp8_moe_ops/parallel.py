@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import ops
+from ._checks import ACT_DTYPES
 from .modules import FP8Experts
 from .routing import combine
 
@@ -106,6 +107,9 @@ class ExpertParallel(nn.Module):
                              "(call torch.distributed.init_process_group first)")
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
+        if self.rank < 0:
+            raise ValueError(f"group: expected a process group this process belongs to, got one without it "
+                             f"(global rank {dist.get_rank()})")
         if isinstance(num_experts, bool) or not isinstance(num_experts, int) \
                 or num_experts != local_experts.num_experts * self.world_size:
             raise ValueError(f"num_experts: expected local_experts.num_experts * world_size = "
@@ -137,6 +141,9 @@ class ExpertParallel(nn.Module):
         local = torch.where(owner[row_tok] == row_rank[:, None], ids[row_tok] - row_rank[:, None] * n_local, -1)
         payload = torch.cat([_as_bytes(hidden_states[row_tok]), _as_bytes(local.to(torch.int32))], dim=1)
         counts = torch.stack([hit.sum(1), (owner.reshape(1, -1) == ranks[:, None]).sum(1)], dim=1)  # (world, 2)
+        # and what every rank must agree on to read the others' rows (checked on receipt)
+        counts = torch.cat([counts, torch.tensor(self._layout(hidden_states.dtype, k), device=counts.device)
+                            .expand(world, -1)], dim=1)
         y_sorted = self._remote_experts(payload, counts, hidden_states.dtype, k)  # (T*k, H)
         # the results come back by rank, token, choice: the stable sort of the slots by owner
         slot_perm = torch.sort(owner.flatten(), stable=True).indices
@@ -157,6 +164,7 @@ class ExpertParallel(nn.Module):
         recv_counts = torch.empty_like(counts)
         dist.all_to_all_single(recv_counts, counts, group=self.group)
         sizes = torch.cat([counts, recv_counts]).tolist()  # the one host sync: split sizes are ints
+        self._check_layouts([c[2:] for c in sizes[world:]], dtype, k)
         send_rows, send_slots = [c[0] for c in sizes[:world]], [c[1] for c in sizes[:world]]
         recv_rows, recv_slots = [c[0] for c in sizes[world:]], [c[1] for c in sizes[world:]]
 
@@ -174,10 +182,32 @@ class ExpertParallel(nn.Module):
                                group=self.group)
         return y_sorted
 
+    # what a received row's bytes mean, as (the argument that sets it, what it is)
+    _LAYOUT = (("top_k_index", "top_k"), ("hidden_states", "dtype"), ("local_experts", "num_experts"),
+               ("local_experts", "hidden_size"))
+
+    def _layout(self, dtype: torch.dtype, k: int) -> list[int]:
+        """This rank's :data:`_LAYOUT` values as ints (the dtype by its place in ACT_DTYPES)."""
+        return [k, ACT_DTYPES.index(dtype), self.local_experts.num_experts, self.local_experts.hidden_size]
+
+    def _check_layouts(self, layouts: list, dtype: torch.dtype, k: int) -> None:
+        """Raises where a rank's rows are laid out otherwise than this rank's (every rank
+        sees a rank that differs from it, so all raise together: none waits in a collective)."""
+        mine = self._layout(dtype, k)
+        for source, theirs in enumerate(layouts):
+            for (name, what), a, b in zip(self._LAYOUT, mine, theirs):
+                if a != b:
+                    if what == "dtype":
+                        a, b = ACT_DTYPES[a], ACT_DTYPES[b]
+                    raise ValueError(f"{name}: expected the {what} of every rank's call, {a} on rank {self.rank} "
+                                     f"(this one), got {b} on rank {source}")
+
     def _serve(self, x: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
         """The local experts on received rows x (n, H), one local expert id each: each
         row's down projection rounded to x's dtype (top_k = 1, weight 1.0: exact)."""
         ones = torch.ones(x.shape[0], 1, dtype=torch.float32, device=x.device)
+        if self.local_experts._observer is not None:  # calibrate_static_scales: the module records its inputs
+            return self.local_experts(x, local_ids[:, None], ones)
         return torch.ops.fp8_moe.grouped_experts(x, local_ids[:, None], ones, *self.local_experts.expert_weights())
 
     def _check(self, hidden_states, top_k_index, top_k_weights) -> None:

@@ -177,6 +177,19 @@ def test_casting_a_model_keeps_fp8_weights_and_scales():
     assert model["norm"].weight.dtype == torch.float16  # other modules cast as asked
 
 
+def test_calibration_refusing_a_static_module_leaves_no_module_observing():
+    # a refusal used to leave the modules before the static one observing: their forward
+    # then ran the eager loop and kept recording
+    gu, dp = _float_experts(E=4, H=64, I=32)
+    first = FP8Experts.from_float(gu, dp, block_size=(32, 32), dispatch="grouped")
+    static = FP8Experts.from_float(gu, dp, block_size=(32, 32))
+    fp8_moe_ops.calibrate_static_scales(static, [(torch.randn(3, 64), *_routing(3, 4, 2))])
+    model = nn.ModuleDict({"first": first, "static": static})
+    with pytest.raises(ValueError, match="expected dynamic-scheme modules to calibrate"):
+        fp8_moe_ops.calibrate_static_scales(model, [torch.randn(2, 64)])
+    assert first._observer is None and static._observer is None
+
+
 def test_convert_linears_keeps_tied_linears_tied():
     shared = nn.Linear(64, 64)
     model = nn.ModuleDict({"a": shared, "b": nn.Sequential(shared, nn.Linear(64, 32), shared)})

@@ -77,6 +77,24 @@ def _worker(rank: int, store_path: str, out_dir: str) -> None:
             if compiled:  # which graph breaks dynamo took, by reason
                 outs.append(list(counters["graph_break"]))
             torch.save(outs, os.path.join(out_dir, f"{case}_{rank}.pt"))
+        refusals = []
+        # ranks that disagree on top_k: each raises, naming it (none waits in a collective);
+        # their rows used to be read with the other rank's width (an abort, or wrong values)
+        ep = ExpertParallel(shard_experts(full_experts(False), rank, WORLD), E)
+        hidden, idx, weights = rank_inputs("uneven", rank)
+        k = K - rank
+        try:
+            ep(hidden, idx[:, :k], weights[:, :k])
+        except ValueError as e:
+            refusals.append(str(e))
+        assert torch.equal(ep(hidden, idx, weights), full_experts(False)(hidden, idx, weights))  # usable after
+        # a group this process is not in
+        group = dist.new_group([0])
+        try:
+            ExpertParallel(shard_experts(full_experts(False), 0, 1), E, group=group)
+        except ValueError as e:
+            refusals.append(str(e))
+        torch.save(refusals, os.path.join(out_dir, f"refusals_{rank}.pt"))
         dist.destroy_process_group()
     except BaseException:
         with open(os.path.join(out_dir, f"error_{rank}.txt"), "w") as f:
@@ -101,7 +119,9 @@ def ep_outputs(tmp_path_factory):
     errors = [f.read_text() for f in sorted(tmp.glob("error_*.txt"))]
     assert not errors and all(p.exitcode == 0 for p in procs), (
         [p.exitcode for p in procs], "\n".join(errors))
-    return {(case, r): torch.load(tmp / f"{case}_{r}.pt") for case in CASES for r in range(WORLD)}
+    outputs = {(case, r): torch.load(tmp / f"{case}_{r}.pt") for case in CASES for r in range(WORLD)}
+    outputs.update({("refusals", r): torch.load(tmp / f"refusals_{r}.pt") for r in range(WORLD)})
+    return outputs
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -133,6 +153,14 @@ def test_one_rank_all_sentinels_gives_zeros(ep_outputs):
     assert out.abs().sum() == 0
 
 
+def test_ranks_that_disagree_raise_naming_the_argument(ep_outputs):
+    assert ep_outputs["refusals", 0] == [
+        f"top_k_index: expected the top_k of every rank's call, {K} on rank 0 (this one), got {K - 1} on rank 1"]
+    assert ep_outputs["refusals", 1] == [
+        f"top_k_index: expected the top_k of every rank's call, {K - 1} on rank 1 (this one), got {K} on rank 0",
+        "group: expected a process group this process belongs to, got one without it (global rank 1)"]
+
+
 def test_single_process_group(tmp_path):
     """World size 1 (in this process): every expert is local; also the constructor's checks."""
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
@@ -148,7 +176,7 @@ def test_single_process_group(tmp_path):
         ep(hidden, idx, weights)
         del ep._remote_experts
         valid = (idx >= 0) & (idx < E)
-        assert seen[0].tolist() == [[int(valid.any(1).sum()), int(valid.sum())]]
+        assert seen[0][:, :2].tolist() == [[int(valid.any(1).sum()), int(valid.sum())]]
         assert int(valid.any(1).sum()) < int(valid.sum())  # the case has tokens with several slots
         # a column-major top_k_index (as FP8Experts takes it)
         assert torch.equal(ep(hidden, idx.t().contiguous().t(), weights), full(hidden, idx, weights))
@@ -162,6 +190,16 @@ def test_single_process_group(tmp_path):
                 out.float().sum().backward()
             with torch.no_grad():
                 assert not ep(h, idx, w).requires_grad
+        # calibration reaches the local experts (the transport calls no module forward):
+        # the scales of the single-process module calibrated on the same tokens
+        from fp8_moe_ops import calibrate_static_scales
+
+        batches = [rank_inputs("uneven", 0), rank_inputs("caller_sentinels", 0)]
+        calibrated_ep = calibrate_static_scales(ExpertParallel(shard_experts(full_experts(False), 0, 1), E), batches)
+        calibrated = calibrate_static_scales(full_experts(False), batches)
+        for name in ("gate_up_proj_activation_scale", "down_proj_activation_scale"):
+            assert torch.equal(getattr(calibrated_ep.local_experts, name), getattr(calibrated, name))
+        assert torch.equal(calibrated_ep(hidden, idx, weights), calibrated(hidden, idx, weights))
         with pytest.raises(ValueError, match="num_experts"):
             ExpertParallel(shard_experts(full, 0, 1), E + 1)
         with pytest.raises(TypeError, match="local_experts"):
