@@ -114,6 +114,9 @@ def quantize_weight_blockwise(w: torch.Tensor, block_size: Sequence[int], scale_
         scale = torch.exp2(torch.ceil(torch.log2(scale)).clamp_min(-127))
     else:
         scale = scale.clamp_min(2.0 ** -149)  # float32's smallest positive value
+        # below 2^-126 the quotient has fewer bits: rounded down, it would divide the block's
+        # largest weight to more than 448 (saturated, up to 12 % off); one ulp up cannot
+        scale = torch.where((scale < 2.0 ** -126) & (amax / scale > FP8_MAX), torch.nextafter(scale, amax), scale)
     scale = torch.where(amax == 0, torch.ones_like(scale), scale)
     q = torch.div(blocks, scale[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     q = q.reshape(*lead, gn * bn, gk * bk)[..., :N, :K].contiguous()

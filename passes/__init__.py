@@ -3,7 +3,9 @@
 While installed, every Inductor compile (``torch.compile`` and
 ``torch._inductor.aoti_compile_and_package``) runs :class:`MoELoopPass` on the
 post-grad graph: an unrolled Python loop over experts calling ``fp8_moe::linear``
-with dynamic activation scales becomes one ``fp8_moe::grouped_experts`` call.  See
+with dynamic activation scales becomes one ``fp8_moe::grouped_experts`` call
+(``fp8_moe::grouped_experts_list`` where each expert holds its own tensors, e.g.
+``nn.ModuleList`` experts).  See
 ``docs/pass.md`` for what is matched, what is skipped and how to debug it.
 
     import fp8_moe_ops.passes
@@ -47,7 +49,8 @@ def _uuid() -> str:
 
 
 class MoELoopPass(_cgp.CustomGraphPass):
-    """Post-grad pass: replaces unrolled expert loops with ``fp8_moe::grouped_experts``.
+    """Post-grad pass: replaces unrolled expert loops with ``fp8_moe::grouped_experts``
+    (``fp8_moe::grouped_experts_list`` for experts that hold their own tensors).
 
     ``uuid()`` hashes this package's pass sources, so the FX graph cache never serves
     a graph compiled by another version of the pass (or with the pass off)."""

@@ -121,13 +121,28 @@ def test_quantize_weight_of_tiny_blocks_keeps_a_positive_scale(value, scale_dtyp
     w[0, 0] = -value
     q, s = fp8_moe_ops.quantize_weight(w, (128, 128), scale_dtype)
     smallest = 2.0 ** -149 if scale_dtype == torch.float32 else 2.0 ** -127
-    assert s.float().item() == max(smallest, torch.tensor(value / 448).item() if scale_dtype == torch.float32 else 0)
+    v = torch.tensor(value)  # float32, as w holds it
+    want = (v / 448).clamp_min(smallest) if scale_dtype == torch.float32 else torch.tensor(smallest)
+    if scale_dtype == torch.float32 and v / want > 448:  # rounded down below 2^-126: one ulp up
+        want = torch.nextafter(want, v)
+    assert s.float().item() == want.item()
     deq = reference.dequantize_weight(q, s, (128, 128))
     assert torch.isfinite(deq).all() and (deq.abs() <= 448 * s.float()).all()
     if value * 2.0 ** 127 >= 2.0 ** -9 or scale_dtype == torch.float32:  # representable with that scale
         torch.testing.assert_close(deq, w, rtol=0.07, atol=0.0)
     else:
         assert not deq.any()  # below UE8M0's smallest step: zeros, not garbage
+
+
+@pytest.mark.parametrize("value", [2.0 ** -140, 2.0 ** -141, 3e-43])
+def test_quantize_weight_of_subnormal_blocks_saturates_no_weight(value):
+    # amax / 448 in float32's subnormal range rounds to few bits: rounded down, the block's
+    # largest weight divided to more than 448 and saturated (12.5 % off at 2^-140)
+    w = torch.tensor([[value, -value / 3]])
+    q, s = fp8_moe_ops.quantize_weight(w, (1, 2))
+    assert w[0, 0] / s <= 448 and s.item() >= value / 448
+    deq = reference.dequantize_weight(q, s, (1, 2))
+    assert abs(deq[0, 0].item() - value) <= value / 16  # within half an e4m3 step, not saturated
 
 
 @pytest.mark.parametrize("shape", [(0, 5), (5, 0), (2, 0, 3)])
