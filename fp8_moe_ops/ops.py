@@ -545,6 +545,11 @@ def _nothing_to_dispatch(*tensors) -> bool:
     for t in tensors:  # a loop: any() over a generator costs more
         if type(t) not in _PLAIN:
             return False
+        if type(t) is torch.Tensor and t.is_neg():
+            # a negated view (its data unnegated, a dispatch key saying so): the dispatcher
+            # resolves it, the CUDA kernels read memory.  (Parameters, a module's weights,
+            # are not looked at: 0.08 us a tensor)
+            return False
     return not (torch.is_grad_enabled() and _any_requires_grad(*tensors))
 
 

@@ -117,6 +117,7 @@ class ExpertParallel(nn.Module):
         self.local_experts = local_experts
         self.num_experts = num_experts
         self.group = group
+        self._layout_rows: dict = {}  # (dtype, k, device) -> _layout_row
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -142,8 +143,7 @@ class ExpertParallel(nn.Module):
         payload = torch.cat([_as_bytes(hidden_states[row_tok]), _as_bytes(local.to(torch.int32))], dim=1)
         counts = torch.stack([hit.sum(1), (owner.reshape(1, -1) == ranks[:, None]).sum(1)], dim=1)  # (world, 2)
         # and what every rank must agree on to read the others' rows (checked on receipt)
-        counts = torch.cat([counts, torch.tensor(self._layout(hidden_states.dtype, k), device=counts.device)
-                            .expand(world, -1)], dim=1)
+        counts = torch.cat([counts, self._layout_row(hidden_states.dtype, k, counts.device).expand(world, -1)], dim=1)
         y_sorted = self._remote_experts(payload, counts, hidden_states.dtype, k)  # (T*k, H)
         # the results come back by rank, token, choice: the stable sort of the slots by owner
         slot_perm = torch.sort(owner.flatten(), stable=True).indices
@@ -189,6 +189,18 @@ class ExpertParallel(nn.Module):
     def _layout(self, dtype: torch.dtype, k: int) -> list[int]:
         """This rank's :data:`_LAYOUT` values as ints (the dtype by its place in ACT_DTYPES)."""
         return [k, ACT_DTYPES.index(dtype), self.local_experts.num_experts, self.local_experts.hidden_size]
+
+    def _layout_row(self, dtype: torch.dtype, k: int, device: torch.device) -> torch.Tensor:
+        """:meth:`_layout` as a (1, 4) int64 tensor on ``device``, made once per (dtype, k,
+        device): a copy to a GPU each call would wait for the stream.  (Compiled: a constant
+        of the graph.)"""
+        if torch.compiler.is_compiling():
+            return torch.tensor([self._layout(dtype, k)], device=device)
+        key = (dtype, k, device)
+        row = self._layout_rows.get(key)
+        if row is None:
+            row = self._layout_rows[key] = torch.tensor([self._layout(dtype, k)], device=device)
+        return row
 
     def _check_layouts(self, layouts: list, dtype: torch.dtype, k: int) -> None:
         """Raises where a rank's rows are laid out otherwise than this rank's (every rank

@@ -98,7 +98,9 @@ def dequantize_act(q: torch.Tensor, scale: torch.Tensor, group_size: int) -> tor
 def quantize_weight_blockwise(w: torch.Tensor, block_size: Sequence[int], scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Block-wise weight quantisation: w (..., N, K) float -> (e4m3, scale_inv grid).
 
-    float32 scales are ``amax / 448``; UE8M0 scales are ``2 ** ceil(log2(amax / 448))``
+    float32 scales are ``amax / 448`` (below 2^-126, where that quotient has fewer bits,
+    one ulp above it where it rounded down and would saturate the block's largest weight);
+    UE8M0 scales are ``2 ** ceil(log2(amax / 448))``
     (rounded up, so no weight saturates).  An all-zero block gets scale 1.  A block so
     small that its scale would fall below the scale dtype's smallest positive value
     (float32: 2^-149; UE8M0: 2^-127) gets that value: its weights stay unsaturated

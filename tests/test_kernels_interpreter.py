@@ -785,25 +785,16 @@ def test_op_replays_a_plan_behind_its_metadata_guard():
         assert keyed.call_count == 3 and len(plans.states) == 2
 
 
-def test_plans_read_a_negated_view_negated_and_name_a_bare_int_block_size():
-    # a negated view (torch._neg_view, .imag of a conjugated tensor) holds its data
-    # unnegated: the dispatcher resolves it, but ops.call_experts / call_linear hand it to
-    # these kernels directly, which read memory (they computed the layer of x for -x)
+def test_plans_name_a_bare_int_block_size():
+    # ops.experts' ExpertWeights takes any value: a bare int block size reached the cheap
+    # key's unpacking (a TypeError naming nothing) before the check that names it
     from fp8_moe_ops import ops
 
     args = _positional(*_experts_args("sentinels", torch.bfloat16, torch.float32, False, seed=71))
-    negated = (-args[0], *args[1:])
-    want = kernels.grouped_experts(*negated)
     x, w, ws = args[0], args[3][0], args[4][0]
-    want_linear = kernels.linear(-x, w, ws, args[7])
     stacked, gemm = kernels.StackedPlans(ops.check_experts), kernels.GemmPlans("linear", ops.check_linear)
-    for _ in range(3):  # the plan recorded, then replayed behind its guard
+    for _ in range(3):  # the plans recorded and remembered behind their guards
         stacked(args), gemm((x, w, ws, args[7], None, None))
-        assert torch.equal(stacked((torch._neg_view(args[0]), *args[1:])), want)
-        assert torch.equal(gemm((torch._neg_view(x), w, ws, args[7], None, None)), want_linear)
-    assert torch.equal(ops.call_experts("grouped_experts", (torch._neg_view(args[0]), *args[1:])),
-                       reference.grouped_experts(*negated))  # CPU: the reference
-    # a bare int block size (ops.experts' ExpertWeights takes any value): the check's error
     with pytest.raises(TypeError, match=r"block_size: expected a pair \(bn, bk\)"):
         stacked((*args[:7], 16, *args[8:]))
     with pytest.raises(TypeError, match=r"block_size: expected a pair \(bn, bk\)"):

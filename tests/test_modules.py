@@ -218,7 +218,8 @@ def test_convert_linears_warns_about_stacked_expert_weights_it_leaves():
     assert model["layers"][0]["experts"].down_proj.dtype == torch.bfloat16
     # none to leave: no warning (fp8 stacks, a skipped module's stacks, 2-D weights only)
     quiet = nn.ModuleDict({"experts": FP8Experts.from_float(*_float_experts(E=4, H=64, I=32), block_size=(32, 32)),
-                           "router": nn.ModuleDict({"x": _StackedExperts()}), "mlp": nn.Linear(16, 16)})
+                           "router": nn.ModuleDict({"x": _StackedExperts()}), "mlp": nn.Linear(16, 16),
+                           "conv": nn.Conv1d(4, 4, 3), "embed": nn.ParameterDict({"pos": nn.Parameter(torch.zeros(1, 8, 16))})})
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         fp8_moe_ops.convert_linears(quiet, block_size=(16, 16))

@@ -337,11 +337,38 @@ def test_forward_mode_and_torch_func_differentiation_refused_naming_the_op():
             torch.func.grad(lambda v: call(v).sum())(v)
         with fwAD.dual_level():  # no tangent on any argument: the op runs
             assert torch.equal(call(v), call(v.clone()))
+        assert torch.equal(torch.func.vmap(call)(torch.stack([v, v]))[1], call(v))  # no differentiation: runs
     # the modules' direct calls of the kernels (ops.call_linear / call_experts) too
     lin = fp8_moe_ops.FP8Linear.from_float(torch.nn.Linear(64, 32, bias=False), block_size=(32, 32))
     with fwAD.dual_level(), pytest.raises(RuntimeError, match="fp8_moe::linear has no forward-mode AD formula"):
         lin(fwAD.make_dual(x, torch.ones_like(x)))
-        assert torch.equal(torch.func.vmap(call)(torch.stack([v, v]))[1], call(v))  # no differentiation: runs
+
+
+def test_direct_calls_hand_no_negated_view_to_a_kernel():
+    # a negated view (torch._neg_view, the .imag of a conjugated tensor) holds its data
+    # unnegated; the CUDA kernels read memory, and ops.call_experts / call_linear (which
+    # FP8Experts, FP8Linear and the plug-in call) skip the dispatcher that resolves it:
+    # they computed the layer of x for -x.  Such a call now dispatches.
+    from unittest import mock
+
+    from fp8_moe_ops import ops
+
+    gen = torch.Generator().manual_seed(3)
+    w, ws = make_expert_weights(1, 32, 64, [32, 32], gen=gen)
+    x = torch.randn(4, 64, generator=gen)
+    e = make_experts_inputs(3, 4, 32, 16, 2, [16, 16])
+    rest = (e["top_k_index"], e["top_k_weights"], e["gate_up_proj"], e["gate_up_scale_inv"], e["down_proj"],
+            e["down_scale_inv"], e["block_size"], "silu", None, None, None)
+    cases = {"linear": (x, lambda v: ops.call_linear(v, w[0], ws[0], [32, 32])),
+             "grouped_experts": (e["hidden"], lambda v: ops.call_experts("grouped_experts", (v, *rest)))}
+    for name, (v, call) in cases.items():
+        kernel, seen = ops._KERNELS[name]["cpu"], []
+        with mock.patch.dict(ops._KERNELS[name], cpu=lambda *a: seen.append(a[0].is_neg()) or kernel(*a)):
+            got = call(torch._neg_view(v))
+            assert seen == []  # dispatched: the kernel called directly saw nothing
+            call(-v)
+            assert seen == [False]  # a plain tensor takes the direct path
+        assert torch.equal(got, call(-v))
 
 
 def test_cpu_ops_ignore_autocast():

@@ -63,13 +63,14 @@ def _from_transformers_fp8(tf_linear: nn.Linear) -> FP8Linear:
 
 
 def _stacked_expert_weights(module: nn.Module) -> list[str]:
-    """The names of ``module``'s own 3-D floating parameters where it holds no fp8 one:
-    expert weights stacked along a first expert dimension (transformers 5.x's fused
-    experts, ``gate_up_proj`` (E, 2I, H) and ``down_proj`` (E, H, I)), which no linear
-    layer holds.  (A module with fp8 weights, ``FP8Experts`` or transformers' FP8 experts,
-    holds its 3-D scales beside them.)"""
+    """The names of ``module``'s own 3-D floating parameters where it is a transformers
+    5.x-style fused experts module (a 3-D ``down_proj`` (E, H, I) beside ``gate_up_proj``
+    (E, 2I, H) or ``gate_proj`` / ``up_proj``) holding no fp8 weight, else []: expert
+    weights that no linear layer holds.  (Conv1d weights and (1, N, D) position
+    embeddings are 3-D too, and no experts.)"""
     params = dict(module.named_parameters(recurse=False))
-    if any(p.dtype == torch.float8_e4m3fn for p in params.values()):
+    down = params.get("down_proj")
+    if down is None or down.dim() != 3 or not down.is_floating_point() or down.dtype == torch.float8_e4m3fn:
         return []
     return [name for name, p in params.items() if p.dim() == 3 and p.is_floating_point()]
 

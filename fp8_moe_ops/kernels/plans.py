@@ -237,7 +237,6 @@ def _picker(positions: list):
     return lambda values: tuple(values[i] for i in positions)
 
 
-_TENSORS = (torch.Tensor, torch.nn.Parameter)
 _MAX_PLANS = 4096  # signatures per table; cleared when full (a model has a handful)
 _UNSEEN = object()
 
@@ -327,12 +326,6 @@ class Plans:
                     return out
                 guarded = True  # unaligned, or another current device: the keyed path
                 break
-        if any(type(a) in _TENSORS and a.is_neg() for a in args):
-            # a negated view holds its data unnegated and says so by a dispatch key (which
-            # the guards check): the dispatcher resolves it, a direct call of the kernel
-            # (ops.call_experts) does not, and the kernels read memory
-            args = tuple(a.resolve_neg() if type(a) in _TENSORS else a for a in args)
-            hidden = args[0]
         key = (meta_key(args), gluon)
         if key not in self.states:
             self._check(*args)
