@@ -164,7 +164,7 @@ class ExpertParallel(nn.Module):
         recv_counts = torch.empty_like(counts)
         dist.all_to_all_single(recv_counts, counts, group=self.group)
         sizes = torch.cat([counts, recv_counts]).tolist()  # the one host sync: split sizes are ints
-        self._check_layouts([c[2:] for c in sizes[world:]], dtype, k)
+        self._check_layouts(sizes[0][2:], [c[2:] for c in sizes[world:]])  # this rank's own, every sender's
         send_rows, send_slots = [c[0] for c in sizes[:world]], [c[1] for c in sizes[:world]]
         recv_rows, recv_slots = [c[0] for c in sizes[world:]], [c[1] for c in sizes[world:]]
 
@@ -202,10 +202,9 @@ class ExpertParallel(nn.Module):
             row = self._layout_rows[key] = torch.tensor([self._layout(dtype, k)], device=device)
         return row
 
-    def _check_layouts(self, layouts: list, dtype: torch.dtype, k: int) -> None:
+    def _check_layouts(self, mine: list, layouts: list) -> None:
         """Raises where a rank's rows are laid out otherwise than this rank's (every rank
         sees a rank that differs from it, so all raise together: none waits in a collective)."""
-        mine = self._layout(dtype, k)
         for source, theirs in enumerate(layouts):
             for (name, what), a, b in zip(self._LAYOUT, mine, theirs):
                 if a != b:

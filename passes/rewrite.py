@@ -220,8 +220,7 @@ def rewrite_moe_loops(graph: Graph) -> int:
             loop = prove(candidate)
             op = _rewrite(graph, loop)
         except Skip as skip:
-            _skipped("static" if skip.static else "unsupported", len(steps) if skip.experts is None else skip.experts,
-                     skip)
+            _skipped("static" if skip.static else "unsupported", steps, skip)
             continue
         counters["fp8_moe"]["loops_rewritten"] += 1
         done += 1
@@ -229,19 +228,21 @@ def rewrite_moe_loops(graph: Graph) -> int:
                  "(activation=%s, swiglu_limit=%s, %s)", len(steps), op, loop.iters[0].activation.name,
                  loop.iters[0].activation.limit, loop.numerics)
     for steps in read_modify_write_chains(graph):
-        experts = len(steps)
         try:
             if find_loop(steps, read_modify_write_step) is None:
                 continue
             reason = ("it combines with out[tok] += v, which keeps one sum of a token that top_k_index routes to an "
                       "expert twice (the grouped op adds both); out.index_add_(0, tok, v) is the combine it replaces")
         except Skip as skip:
-            reason, experts = skip, skip.experts
-        _skipped("unsupported", experts, reason)
+            reason = skip
+        _skipped("unsupported", steps, reason)
     return done
 
 
-def _skipped(kind: str, experts: int, reason) -> None:
-    """Counts a loop left eager (``loops_skipped_<kind>``) and logs why."""
+def _skipped(kind: str, steps: list, reason) -> None:
+    """Counts a loop left eager (``loops_skipped_<kind>``) and logs why: ``reason``, a
+    :class:`Skip` or a string; the loop's experts, its chain's ``steps`` but where the
+    Skip counted fewer."""
+    experts = len(steps) if getattr(reason, "experts", None) is None else reason.experts
     counters["fp8_moe"][f"loops_skipped_{kind}"] += 1
     log.info("fp8_moe_ops.passes: a loop over %d experts was left eager because %s", experts, reason)

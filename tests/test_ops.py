@@ -287,6 +287,16 @@ def _gemm_calls_of_grad_input() -> tuple[torch.Tensor, dict]:
                "batched_mm": lambda x: OPS.batched_mm(x, w, ws, torch.tensor([0, 2, 1, 0]), [32, 32])}
 
 
+def _op_calls() -> list:
+    """(name, the op as a function of its first input, that input; no grad): the GEMM ops
+    of :func:`_gemm_calls_of_grad_input` and ``grouped_experts`` on its hidden states."""
+    x, calls = _gemm_calls_of_grad_input()
+    args = make_experts_inputs(3, 4, 32, 16, 2, [16, 16])
+    hidden = args.pop("hidden")
+    return [(name, call, x.detach()) for name, call in calls.items()] + [
+        ("grouped_experts", lambda h: OPS.grouped_experts(h, **args), hidden)]
+
+
 def test_gemm_ops_backward_raises_naming_the_op():
     x, calls = _gemm_calls_of_grad_input()
     for name, call in calls.items():
@@ -374,19 +384,15 @@ def test_direct_calls_hand_no_negated_view_to_a_kernel():
 def test_cpu_ops_ignore_autocast():
     # the reference's float32 GEMMs are the ops' numerics; under CPU autocast they ran in
     # bf16 / fp16, and eager no longer matched compiled code (which runs the op without it)
-    x, calls = _gemm_calls_of_grad_input()
-    x = x.detach()
-    args = make_experts_inputs(3, 4, 32, 16, 2, [16, 16])
-    calls["grouped_experts"] = lambda h: OPS.grouped_experts(h, **{k: v for k, v in args.items() if k != "hidden"})
-    inputs = {"grouped_experts": args["hidden"]}
-    for name, call in calls.items():
-        h = inputs.get(name, x)
+    calls = _op_calls()
+    for name, call, h in calls:
         want = call(h)
         for dtype in (torch.bfloat16, torch.float16):
             with torch.autocast("cpu", dtype=dtype):
                 got = call(h)
             assert got.dtype == want.dtype and torch.equal(got, want), (name, dtype)
     lin = fp8_moe_ops.FP8Linear.from_float(torch.nn.Linear(64, 32, bias=False), block_size=(32, 32))
+    x = calls[0][2]  # linear's input
     with torch.no_grad():
         want = lin(x)
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -399,13 +405,7 @@ def test_the_autograd_kernel_reaches_what_each_dispatch_key_set_calls_for_after_
     # the autograd kernel remembers, per key set, the kernel below it: plain CPU calls
     # first, then a dispatch mode and fake tensors must each still reach their own
     # kernel, and plain calls the CPU kernel again
-    x, calls = _gemm_calls_of_grad_input()
-    x = x.detach()
-    args = make_experts_inputs(3, 4, 32, 16, 2, [16, 16])
-    calls["grouped_experts"] = lambda h: OPS.grouped_experts(h, **{k: v for k, v in args.items() if k != "hidden"})
-    inputs = {"grouped_experts": args["hidden"]}
-    for name, call in calls.items():
-        h = inputs.get(name, x)
+    for name, call, h in _op_calls():
         want = call(h)
         with OpsSeen() as mode:
             assert torch.equal(call(h), want)

@@ -16,10 +16,19 @@ from torch._inductor.utils import fresh_cache, run_and_get_code
 
 import fp8_moe_ops.passes as passes
 from test_pass_common import (
-    BLOCK, MixtralLoop, error_vs, experts, fp8_counters, fresh_counters, ideal_output, inputs, stacked_from_mixtral,
+    BLOCK, Loop, MixtralLoop, error_vs, experts, fp8_counters, fresh_counters, ideal_output, inputs,
+    stacked_from_mixtral,
 )
 
 pytestmark = pytest.mark.slow
+
+
+def _rewritten_output(m, args) -> torch.Tensor:
+    """What a rewritten loop computes: for ``MixtralLoop`` (rewritten into the list op)
+    the stacked op's numbers, for the others the loop's own arithmetic."""
+    if isinstance(m, MixtralLoop):
+        return torch.ops.fp8_moe.grouped_experts(*args, *stacked_from_mixtral(m), BLOCK)
+    return m(*args)
 
 
 class TestDynamic(TestCase):
@@ -42,17 +51,12 @@ class TestDynamic(TestCase):
         # dynamic=True makes the hidden width a symbol too; the Mixtral gather
         # hidden[None, tok].reshape(-1, H) and its accumulator zeros(T, H) use the model's
         # constant H: rewritten, the width guarded equal to it
-        from test_pass_common import Loop
         for m in (MixtralLoop(), Loop(experts(), gather="none_reshape")):
             with self.subTest(model=type(m).__name__), fresh_counters(), torch.no_grad():
                 c = torch.compile(m, fullgraph=True, dynamic=True)
                 for T in (5, 9, 17):
                     args = inputs(T, seed=50 + T)
-                    if isinstance(m, MixtralLoop):  # rewritten into the list op: the stacked op's numbers
-                        want = torch.ops.fp8_moe.grouped_experts(*args, *stacked_from_mixtral(m), BLOCK)
-                    else:  # the same arithmetic as the loop
-                        want = m(*args)
-                    self.assertTrue(torch.equal(c(*args), want))
+                    self.assertTrue(torch.equal(c(*args), _rewritten_output(m, args)))
                 self.assertEqual(counters["stats"]["unique_graphs"], 1)
                 self.assertEqual(fp8_counters(), {"loops_rewritten": 1})
 
@@ -65,11 +69,7 @@ class TestDynamic(TestCase):
                 c = torch.compile(m, fullgraph=True)
                 for T in (6, 11, 3):
                     args = inputs(T, seed=40 + T)
-                    if isinstance(m, MixtralLoop):  # rewritten into the list op: the stacked op's numbers
-                        want = torch.ops.fp8_moe.grouped_experts(*args, *stacked_from_mixtral(m), BLOCK)
-                    else:  # the same arithmetic as the loop
-                        want = m(*args)
-                    self.assertTrue(torch.equal(c(*args), want))
+                    self.assertTrue(torch.equal(c(*args), _rewritten_output(m, args)))
                 self.assertEqual(counters["stats"]["unique_graphs"], 2)  # T = 6, then any T
                 self.assertEqual(fp8_counters(), {"loops_rewritten": 2})
 
