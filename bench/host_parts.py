@@ -17,6 +17,12 @@ On qwen3_30b_a3b's layer at T=1 (uniform routing, dynamic scales), µs of CPU pe
   with the argument list ready (addresses as integers);
 * ``compiled launcher``: the same, through the C function behind that object
   (``fp8_moe_ops.kernels.launch.direct``): what a launch plan does per kernel;
+* ``graph replay, N kernels``: ``torch.cuda.CUDAGraph.replay()`` of a graph of N such
+  combine launches (captured once); ``cuGraphLaunch, N kernels``: the same graph's
+  executable launched through the driver with ``ctypes`` (where torch exposes it):
+  what a plan replayed as a graph would pay per call instead of N launches;
+* ``cuStreamWriteValue64``: one 64-bit value written to device memory in stream order
+  (the driver through ``ctypes``): what handing such a graph a call's address costs;
 * ``signature key``: the op's key of its arguments' metadata (``ops.meta_key``);
 * ``launch plan``: the op's launch plan for the call, called directly;
 * ``op``: ``torch.ops.fp8_moe.grouped_experts``, for scale.
@@ -59,8 +65,8 @@ def parts(model_name: str) -> dict:
     out = torch.empty(T, H, device="cuda", dtype=torch.bfloat16)
     ids, weights = idx.contiguous(), wts.contiguous()
     grid, kp, block_h = combine_launch_shape(T, H, k)
-    constexprs = dict(TOPK=k, KP=kp, BLOCK_H=block_h)
-    args = (y, ids, weights, out, T, H, model.E)
+    constexprs = dict(TOPK=k, KP=kp, BLOCK_H=block_h, ADDRS=False)
+    args = (y, ids, weights, out, T, H, model.E, y)
     compiled = _combine_kernel[grid](*args, **constexprs, enable_fp_fusion=False)
     cached = Launch(_combine_kernel, grid, constexprs, enable_fp_fusion=False)
     cached(*args)
@@ -69,6 +75,18 @@ def parts(model_name: str) -> dict:
     c_args = (full,) if packed else full  # launch.Direct: one sequence from Triton 3.7, else one by one
     g = cached.grid
     stream = torch.cuda.current_stream().cuda_stream
+    graphs = {}
+    for n in (1, 3, 5):
+        graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            graph.capture_begin(capture_error_mode="thread_local")
+            for _ in range(n):
+                launcher(*g, side.cuda_stream, *head, *c_args)
+            graph.capture_end()
+        torch.cuda.current_stream().wait_stream(side)
+        graphs[n] = graph
+    driver_calls = _driver_calls(graphs, stream)
     op_args = (x, idx, wts, *w, BLOCK, "silu", None, None, None)
     plans = {}
     for _ in range(2):  # the second call records the plan
@@ -83,10 +101,38 @@ def parts(model_name: str) -> dict:
         "Triton's launcher": lambda: compiled.run(*g, stream, compiled.function, compiled.packed_metadata, None, None,
                                                   None, *full),
         "compiled launcher": lambda: launcher(*g, stream, *head, *c_args),
+        **{f"graph replay, {n} kernels": graph.replay for n, graph in graphs.items()},
+        **driver_calls,
         "signature key": lambda: ops.meta_key(op_args),
         "launch plan": lambda: kernels.planned_experts(plans, "sig", op_args),
         "op": lambda: torch.ops.fp8_moe.grouped_experts(x, idx, wts, *w, BLOCK),
-    }, lib
+    }, (lib, graphs)
+
+
+def _driver_calls(graphs: dict, stream: int) -> dict:
+    """``cuGraphLaunch`` of each graph's executable and one ``cuStreamWriteValue64``, through
+    ``ctypes`` (empty where the driver or torch lacks them)."""
+    import ctypes
+
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+        graph_launch, write = cuda.cuGraphLaunch, cuda.cuStreamWriteValue64_v2
+    except (OSError, AttributeError):
+        return {}
+    graph_launch.argtypes, graph_launch.restype = [ctypes.c_void_p, ctypes.c_void_p], ctypes.c_int
+    write.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint]
+    write.restype = ctypes.c_int
+    cell = torch.zeros(1, dtype=torch.int64, device="cuda")
+    calls = {"cuStreamWriteValue64": lambda: write(stream, cell.data_ptr(), 7, 0)}
+    for n, graph in graphs.items():
+        if hasattr(graph, "raw_cuda_graph_exec"):
+            exe = graph.raw_cuda_graph_exec()
+            calls[f"cuGraphLaunch, {n} kernels"] = lambda exe=exe: graph_launch(exe, stream)
+    for name, fn in calls.items():
+        if fn() != 0:
+            raise RuntimeError(f"{name}: CUDA driver error {fn()}")
+    torch.cuda.synchronize()
+    return calls
 
 
 def main() -> int:
@@ -96,14 +142,14 @@ def main() -> int:
     args = p.parse_args()
     runner = Runner("host_parts", args.out_dir)
     model = "qwen3_30b_a3b"
-    fns, lib = parts(model)  # lib: kept alive while its op is timed
+    fns, keep = parts(model)  # keep: the Library and graphs, alive while they are timed
     for name, fn in fns.items():
         runner.run(ExperimentConfig("host_parts", model, 1, name),
-                   lambda: {"cpu_us": host_us_per_call(fn, args.calls)[0]})
+                   lambda: dict(zip(("cpu_us", "wall_us"), host_us_per_call(fn, args.calls))))
     rows = [r.flat() for r in runner.results]
     runner.save(markdown_table(rows, [("part", "variant", ""), ("CPU µs / call", "cpu_us", ".1f"),
-                                      ("error", "error", "")]))
-    del lib
+                                      ("wall µs / call", "wall_us", ".1f"), ("error", "error", "")]))
+    del keep
     return runner.exit_code()
 
 
