@@ -20,6 +20,9 @@ difference.  Pairs, per layer and T (uniform routing, dynamic scales):
 * ``call_experts / op``: ``fp8_moe_ops.ops.call_experts`` (what the modules call: the
   op's CUDA kernel without the dispatcher, where nothing between would act) against
   the op;
+* ``op: plan graphs / every launch``: ``torch.ops.fp8_moe.grouped_experts`` replaying its
+  plan's launches after the first as a CUDA graph (``fp8_moe_ops.kernels.plans.GRAPHS``,
+  the default) against launching every kernel (``GRAPHS = False``);
 * ``linear op / forward``: ``torch.ops.fp8_moe.linear`` on the T rows and the first
   expert's gate_up matrix (what ``FP8Linear`` calls: the dispatcher, then a launch plan
   found through a guard) against ``kernels.linear`` (the forward built and launched on
@@ -40,6 +43,7 @@ import torch
 from common import (BLOCK, MODELS, ExperimentConfig, Runner, experts_module, layer_inputs, layer_weights,
                     markdown_table, parse_sweep)
 from fp8_moe_ops import kernels, ops
+from fp8_moe_ops.kernels import plans
 
 CASES = {"deepseek_v3": [1], "qwen3_30b_a3b": [1, 8], "mixtral_8x7b": [1]}
 BATCH = 20
@@ -69,6 +73,17 @@ def interleaved(a, b, rounds: int) -> tuple[float, float]:
     return statistics.median(times[a]), statistics.median(times[b])
 
 
+def with_graphs(on: bool, fn):
+    """``fn`` called with the plans' CUDA graphs on or off."""
+    def call():
+        plans.GRAPHS = on
+        try:
+            return fn()
+        finally:
+            plans.GRAPHS = True
+    return call
+
+
 def pairs(experts, experts_checked, w, x, idx, wts) -> dict:
     args = (x, idx, wts, *w, BLOCK, "silu", None, None, None)
     linear = (x, w[0][0], w[1][0], BLOCK)  # the first expert's gate_up matrix as a dense layer's
@@ -81,6 +96,8 @@ def pairs(experts, experts_checked, w, x, idx, wts) -> dict:
                              lambda: kernels.planned_experts(states, "sig", args)),
         "call_experts / op": (lambda: ops.call_experts("grouped_experts", args),
                               lambda: torch.ops.fp8_moe.grouped_experts(*args)),
+        "op: plan graphs / every launch": (with_graphs(True, lambda: torch.ops.fp8_moe.grouped_experts(*args)),
+                                           with_graphs(False, lambda: torch.ops.fp8_moe.grouped_experts(*args))),
         "linear op / forward": (lambda: torch.ops.fp8_moe.linear(*linear), lambda: kernels.linear(*linear)),
     }
 

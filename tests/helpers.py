@@ -51,13 +51,14 @@ EXPERTS_BOUND = 1e-2
 FAKE_HEAD = ("function", False, False, None, None, "metadata", None, None, None)
 
 
-def record_with_fake_launchers(monkeypatch, names, env, layout, calls, device: int = 3, packed: bool = False):
+def record_with_fake_launchers(monkeypatch, names, env, layout, calls, device: int = 3, packed: bool = False,
+                               fed: tuple = ()):
     """``LaunchPlan.record`` of a forward's launches (``names``, ``env``, ``layout``,
     ``calls``: what ``kernels.plans`` records from), without a GPU, as on GPU
     ``device``: each compiled launcher is a fake that appends its arguments to the
     returned list (its head ``FAKE_HEAD``; with ``packed``, the kernel's arguments as one
     sequence, as from Triton 3.7), and the current stream is ``100 + device``.
-    Returns (plan, the list)."""
+    ``fed``: as ``LaunchPlan.record`` takes it.  Returns (plan, the list)."""
     from types import SimpleNamespace
 
     from fp8_moe_ops.kernels import launch, plans
@@ -67,7 +68,7 @@ def record_with_fake_launchers(monkeypatch, names, env, layout, calls, device: i
     monkeypatch.setattr(launch.Launch, "compiled", lambda self: (fake, device))
     current = SimpleNamespace(get_current_device=lambda: device, get_current_stream=lambda index: 100 + index)
     monkeypatch.setattr(plans, "driver", SimpleNamespace(active=current))
-    return plans.LaunchPlan.record(list(names), env, layout, calls), launched
+    return plans.LaunchPlan.record(list(names), env, layout, calls, fed), launched
 
 
 def replay_keeping_workspace(monkeypatch, plan, inputs: list, hidden: torch.Tensor):

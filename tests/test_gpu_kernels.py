@@ -29,6 +29,7 @@ comes from a seeded generator, so a failure reproduces.  What is checked:
 
 from __future__ import annotations
 
+import threading
 from unittest import mock
 
 import pytest
@@ -521,6 +522,77 @@ def test_launch_plan_replays_new_inputs_bitwise(case, combo):
     assert not torch.equal(want, out)
     assert torch.equal(got, want)
     assert torch.equal(kernels.planned_experts(states, "sig", tuple(second.get(name) for name in ARG_NAMES)), want)
+
+
+GRAPH_CASES = [case for case, (T, *_, k, _, _) in EXPERT_CASES.items() if T * k <= experts.FED_SLOTS]
+
+
+def _graph_inputs(T, E, H, I, k, block, routing, combo, seed) -> tuple:
+    dtype, scale_dtype, static, per_tensor, activation, limit = EXPERT_COMBOS[combo]
+    args = make_experts_inputs(T, E, H, I, k, block, dtype, scale_dtype, static, routing, per_tensor, seed=seed)
+    args.update(activation=activation, swiglu_limit=limit)
+    return tuple(_cuda(args.get(name)) for name in ARG_NAMES)
+
+
+@pytest.mark.parametrize("combo", list(EXPERT_COMBOS))
+@pytest.mark.parametrize("case", GRAPH_CASES)
+def test_plan_graphs_replay_new_inputs_and_layers_bitwise(case, combo):
+    # up to FED_SLOTS slots a plan replays its launches after the first as a CUDA graph,
+    # one per layer (the weights' addresses), captured on the second replay of a layer;
+    # every call has new hidden states and routing, and each output stays its own
+    T, E, H, I, k, block, routing = EXPERT_CASES[case]
+    layers = [_graph_inputs(T, E, H, I, k, block, routing, combo, seed) for seed in (1, 2)]
+    states, outs = {}, []
+    for i in range(8):  # forward, forward + record, two first replays, four graph replays
+        args = (*_graph_inputs(T, E, H, I, k, block, routing, combo, 10 + i)[:3], *layers[i % 2][3:])
+        poison_free_memory()
+        got = kernels.planned_experts(states, "sig", args)
+        outs.append((got, kernels.grouped_experts(*args)))
+    assert states["sig"].graphs == 2
+    for i, (got, want) in enumerate(outs):
+        assert torch.equal(got, want), i
+    assert not torch.equal(outs[-1][1], outs[-3][1])  # the inputs differ
+
+
+def test_plan_graphs_per_stream_and_thread_and_under_a_callers_capture():
+    T, E, H, I, k, block, routing = EXPERT_CASES["decode, 32 slots, activation on its own"]
+    combo = "bf16 dynamic silu"
+    layer = _graph_inputs(T, E, H, I, k, block, routing, combo, 1)
+    states = {}
+
+    def calls(seeds):
+        got = []
+        for seed in seeds:
+            args = (*_graph_inputs(T, E, H, I, k, block, routing, combo, seed)[:3], *layer[3:])
+            got.append((kernels.planned_experts(states, "sig", args), kernels.grouped_experts(*args)))
+        return got
+
+    results = calls(range(5))  # a graph on the current stream
+    assert states["sig"].graphs == 1
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        results += calls(range(5, 8))  # its own graph and workspace
+    torch.cuda.current_stream().wait_stream(side)
+    assert states["sig"].graphs == 2
+    thread = threading.Thread(target=lambda: results.extend(calls(range(8, 11))))
+    thread.start()
+    thread.join()
+    assert states["sig"].graphs == 3
+    for i, (got, want) in enumerate(results):
+        assert torch.equal(got, want), i
+    # captured by the caller on a stream that has a graph: every launch, in the capture
+    args = (*_graph_inputs(T, E, H, I, k, block, routing, combo, 20)[:3], *layer[3:])
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):
+        out = kernels.planned_experts(states, "sig", args)
+    assert states["sig"].graphs == 3
+    for seed in (21, 22):
+        fresh = _graph_inputs(T, E, H, I, k, block, routing, combo, seed)
+        for dst, src in zip(args[:3], fresh[:3]):
+            dst.copy_(src)
+        graph.replay()
+        assert torch.equal(out, kernels.grouped_experts(*args)), seed
 
 
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])

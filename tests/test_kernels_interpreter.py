@@ -959,7 +959,7 @@ def test_sort_writes_the_gemms_tile_map(S, E, kind, bm):
     x = torch.zeros(S, 16)
     q, q_scale = torch.empty(S, 16, dtype=FP8), torch.empty(S, 1)
     experts.launch(experts._sort_quant_call(ids, perm, offsets, None, moe.TileMap(tile_map, bm), E, x, q, q_scale,
-                                            16, False))
+                                            16, False, None))
     rperm, roffsets = reference.sort_by_expert(ids, E)
     assert torch.equal(perm.long(), rperm) and torch.equal(offsets, roffsets)
     tiles = _map_tiles(rperm, roffsets, S, bm)
@@ -1250,6 +1250,147 @@ def test_a_compiled_plan_hands_each_launcher_the_new_calls_addresses(monkeypatch
             else:
                 assert value == (out if name == "out" else new[name]).data_ptr(), name
     assert bases == {ws.data_ptr()}
+
+
+@pytest.mark.parametrize("case,static", [
+    ("T1", False),
+    ("T_lt_block_prime_E", True),   # 15 slots: the activation in the gate_up GEMM's launch
+    ("sentinels", False),           # 36 slots: the combine in the down GEMM's
+    ((30, 5, 48, 24, 3, [16, 16], "sentinel"), True),  # 90 slots: the combine's own launch
+])
+def test_launches_after_the_first_read_the_calls_tensors_through_the_address_table(case, static):
+    # what a plan's CUDA graph does (kernels.plans): the first launch on a new call's
+    # tensors, the later ones on the recorded call's hidden, routing and output, with the
+    # new call's workspace (poisoned first: nothing is left from its own forward); the
+    # output must be the new call's, and the recorded call's output untouched
+    first = _positional(*_experts_args(case, torch.bfloat16, torch.float32, static, seed=21))
+    second = _positional(*_experts_args(case, torch.bfloat16, torch.float32, static, seed=22))
+    second = (*second[:3], *first[3:])  # the same layer
+    out1, env1, layout, _ = experts._stacked(first, experts._stacked_sources(first))
+    kept = out1.clone()
+    out2, env2, _, calls = experts._stacked(second, experts._stacked_sources(second))
+    assert "addresses" in [name for name, *_ in layout.buffers]
+    want = out2.clone()
+    assert not torch.equal(want, kept)
+    torch.empty(0, dtype=torch.uint8).set_(env2["perm"].untyped_storage()).fill_(255)  # NaN, -1
+    out2.fill_(float("nan"))
+    stale = {id(env2[name]): env1[name] for name in (*experts.FED, "out")}
+    experts.launch(calls[0])
+    for call in calls[1:]:
+        experts.launch(call._replace(args=tuple(stale.get(id(a), a) for a in call.args)))
+    assert torch.equal(out2, want)
+    assert torch.equal(out1, kept)
+
+
+class _FakeGraph:
+    """A stand-in for ``torch.cuda.CUDAGraph`` over a list of fake launches: it holds the
+    launches appended while it captures, and a replay appends ("graph", itself)."""
+
+    launched: list = []
+
+    def capture_begin(self, capture_error_mode):
+        assert capture_error_mode == "thread_local"
+        self._start = len(self.launched)
+
+    def capture_end(self):
+        self.launches = self.launched[self._start:]
+
+    def replay(self):
+        self.launched.append(("graph", self))
+
+
+def test_a_plan_replays_its_later_launches_as_graphs_per_stream_thread_and_layer(monkeypatch):
+    # LaunchPlan's CUDA graphs with fake launchers and a fake graph: the first replay of
+    # a layer (its weights' addresses) on a stream and thread launches every kernel on a
+    # workspace of its own; the second captures the later launches on a workspace kept
+    # for that stream and thread, and it and every later one launch the first kernel on
+    # the call's tensors, then the graph; another stream, thread or layer gets its own
+    # graph; while the stream is being captured every kernel is launched as without graphs
+    import contextlib
+    import threading
+    from types import SimpleNamespace
+
+    from fp8_moe_ops.kernels import plans
+
+    def args_of(seed, layer):
+        args = _positional(*_experts_args("sentinels", torch.bfloat16, torch.float32, False, seed=seed))
+        return (*args[:3], *layer[3:])
+
+    layers = [_positional(*_experts_args("sentinels", torch.bfloat16, torch.float32, False, seed=s)) for s in (1, 2)]
+    sources = experts._stacked_sources(layers[0])
+    _, env, layout, calls = experts._stacked(layers[0], sources)
+    plan, launched = record_with_fake_launchers(monkeypatch, sources, env, layout, calls, fed=experts.FED)
+    assert len(calls) == 4  # sort + quantise, gate_up, activation, down + combine
+    stream, capturing = [103], [False]
+    monkeypatch.setattr(plans, "driver", SimpleNamespace(active=SimpleNamespace(
+        get_current_device=lambda: 3, get_current_stream=lambda index: stream[0])))
+    monkeypatch.setattr(_FakeGraph, "launched", launched)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeGraph)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda: SimpleNamespace(cuda_stream=999))
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    empty = torch.empty
+
+    def replay(args):
+        """(the launches, the workspaces allocated)"""
+        before, made = len(launched), []
+        with monkeypatch.context() as m:
+            m.setattr(torch, "empty", lambda *a, **kw: made.append(empty(*a, **kw)) or made[-1])
+            plan.run(list(experts._stacked_sources(args).values()), args[0])
+        return launched[before:], [t for t in made if t.dtype == torch.uint8]
+
+    def on(launch, ws):  # the launch's stream, and whether it takes ws's buffers (none other)
+        inside = [v for v in launch[4 + len(FAKE_HEAD):] if type(v) is int and v > 1 << 20]
+        base = ws.data_ptr()
+        return launch[3], any(base <= v < base + ws.numel() for v in inside)
+
+    def plain(seed, layer):  # every launch, on the current stream and a workspace of its own
+        got, made = replay(args_of(seed, layer))
+        assert len(made) == 1 and [on(launch, made[0]) for launch in got] == [(stream[0], True)] * 4
+        return got
+
+    def graphed(seed, layer, kept=None, capture=True):  # the first launch, then the graph; (graph, kept workspace)
+        args = args_of(seed, layer)
+        got, made = replay(args)
+        if kept is None:  # a workspace kept from now on
+            (kept,) = made
+        else:
+            assert made == []
+        if capture:  # the later launches captured on a side stream
+            captured, got = got[:3], got[3:]
+            assert [on(launch, kept) for launch in captured] == [(999, True)] * 3
+        assert len(got) == 2 and got[1][0] == "graph" and on(got[0], kept) == (stream[0], True)
+        assert args[0].data_ptr() in got[0] and args[1].data_ptr() in got[0]  # the call's hidden and ids
+        return got[1][1], kept
+
+    plain(10, layers[0])
+    graph_a, kept = graphed(11, layers[0])
+    assert graphed(12, layers[0], kept, capture=False) == (graph_a, kept)
+    plain(13, layers[1])
+    graph_b, _ = graphed(14, layers[1], kept)  # the other layer: its own graph, the same workspace
+    assert graph_b is not graph_a and graph_b.launches != graph_a.launches
+    capturing[0] = True
+    plain(15, layers[0])
+    capturing[0] = False
+    stream[0] = 104
+    plain(16, layers[0])
+    graph_c, kept_c = graphed(17, layers[0])
+    assert graph_c is not graph_a and kept_c.data_ptr() != kept.data_ptr()
+    stream[0] = 103
+    errors = []
+
+    def in_a_thread():
+        try:
+            plain(18, layers[0])
+            graphed(19, layers[0])
+        except BaseException as e:  # (re-raised below)
+            errors.append(e)
+
+    thread = threading.Thread(target=in_a_thread)
+    thread.start()
+    thread.join()
+    assert errors == [] and plan.graphs == 4
+    assert graphed(20, layers[0], kept, capture=False) == (graph_a, kept)
 
 
 def _gemm_args(name, static, seed, scale_dtype=torch.float32):

@@ -35,6 +35,18 @@ def slot_ranks(t, tm, ids_ptr, E, TOPK: tl.constexpr, KP: tl.constexpr):
 
 
 @triton.jit
+def fed_pointers(addr_ptr, ids_ptr, w_ptr, out_ptr):
+    """The ids', routing weights' and output's addresses that the sort's launch wrote to
+    ``addr_ptr[0:3]`` (``ADDRS`` in :mod:`.sort`), as pointers of the arguments' types
+    (those arguments' own addresses are not read).  The output is the forward's own
+    allocation: 16-byte aligned."""
+    ids = tl.load(addr_ptr).to(ids_ptr.dtype)
+    w = tl.load(addr_ptr + 1).to(w_ptr.dtype)
+    out = tl.multiple_of(tl.load(addr_ptr + 2).to(out_ptr.dtype), 16)
+    return ids, w, out
+
+
+@triton.jit
 def combine_tokens(t0, T, cols, cmask, y_ptr, part_ptr, ids_ptr, w_ptr, out_ptr, H, E, TOPK: tl.constexpr,
                    KP: tl.constexpr, TB: tl.constexpr, SPLIT: tl.constexpr):
     """out[t, cols] for the tokens t0 .. t0+TB-1 below T: each token's slots' rows of y
@@ -74,12 +86,15 @@ def _combine_kernel(
     w_ptr,       # (T, k) float routing weights, contiguous
     out_ptr,     # (T, H)
     T, H, E,
-    TOPK: tl.constexpr, KP: tl.constexpr, BLOCK_H: tl.constexpr,
+    addr_ptr,    # ADDRS: int64 addresses of ids, w and out (:func:`fed_pointers`)
+    TOPK: tl.constexpr, KP: tl.constexpr, BLOCK_H: tl.constexpr, ADDRS: tl.constexpr,
 ):
     """out[t, cols] of one token t and BLOCK_H columns, as :func:`combine_tokens` sums
     them; its slots' rows loaded in one (KP, BLOCK_H) load, all in flight at once.  (That
     function's loop compiles to one or two slots' loads at a time, which left the memory
     idle at 512-2048 tokens, where an SM holds few programs: docs/benchmarks.md.)"""
+    if ADDRS:
+        ids_ptr, w_ptr, out_ptr = fed_pointers(addr_ptr, ids_ptr, w_ptr, out_ptr)
     tok = tl.program_id(0).to(tl.int64)
     t = tok + tl.arange(0, 1)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -117,13 +132,17 @@ def combine_launch_shape(T: int, H: int, topk: int) -> tuple[tuple[int, int], in
 
 
 def combine_call(y: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, num_experts: int,
-                 out: torch.Tensor) -> KernelCall:
-    """The launch of :func:`combine` (``top_k_index`` / ``top_k_weights`` contiguous)."""
+                 out: torch.Tensor, addresses: torch.Tensor | None = None) -> KernelCall:
+    """The launch of :func:`combine` (``top_k_index`` / ``top_k_weights`` contiguous);
+    with ``addresses`` (int64 (3,), written earlier in the forward) the kernel reads the
+    addresses of those two and ``out`` from there."""
     T, k = top_k_index.shape
     H = y.shape[1]
     grid, kp, block_h = combine_launch_shape(T, H, k)
-    return KernelCall(_combine_kernel, grid, (y, top_k_index, top_k_weights, out, T, H, num_experts),
-                      dict(TOPK=k, KP=kp, BLOCK_H=block_h), dict(enable_fp_fusion=False))
+    table = y if addresses is None else addresses
+    return KernelCall(_combine_kernel, grid, (y, top_k_index, top_k_weights, out, T, H, num_experts, table),
+                      dict(TOPK=k, KP=kp, BLOCK_H=block_h, ADDRS=addresses is not None),
+                      dict(enable_fp_fusion=False))
 
 
 def combine(y: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, num_experts: int,

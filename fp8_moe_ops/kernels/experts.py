@@ -76,6 +76,15 @@ ACT_SLOTS = 16
 # sort zeroes the counters of the kernels fused into the GEMMs' launches).
 SORTED_A_MIN_ROWS = 72
 
+# at most this many slots (on the one-launch sort's path), the sort's launch writes the
+# addresses of the routing tensors and the output to the workspace (``addresses``) and the
+# later launches read them from there: only the first launch takes a call's own tensors,
+# so a plan replays the others as a CUDA graph (:mod:`.plans`).  Decode, where a call's
+# CPU time is its launches'; 512 slots is T=64 at k=8
+FED_SLOTS = 512
+# the sources a plan's first launch hands on through ``addresses`` (with the output)
+FED = ("hidden", "top_k_index", "top_k_weights")
+
 # the experts ops' arguments, in schema order
 ARG_NAMES = ("hidden", "top_k_index", "top_k_weights", "gate_up_proj", "gate_up_scale_inv", "down_proj",
              "down_scale_inv", "block_size", "activation", "gate_up_act_scale", "down_act_scale", "swiglu_limit")
@@ -92,6 +101,8 @@ def _layout(T: int, k: int, E: int, H: int, I: int, bk: int, dtype: torch.dtype,
     if S <= MAX_SLOTS and not sorted_a:
         bm = _map_bm(S, E, H, I)
         bufs.append(("tile_map", torch.int32, (tile_map_size(max_row_tiles(S, E, bm, True), bm),)))
+        if S <= FED_SLOTS:
+            bufs.append(("addresses", torch.int64, (3,)))
     else:
         bufs.append(("hist", torch.int32, large_sort_hist_shape(S, E)))
         if sorted_a:
@@ -152,11 +163,13 @@ def routing_sources(hidden, top_k_index, top_k_weights, gate_up_act_scale, down_
 
 
 def _sort_quant_call(ids, perm, offsets, counters, tile_map: TileMap, E: int, x, q, q_scale, bk: int,
-                     static: bool) -> KernelCall:
+                     static: bool, fed: tuple | None) -> KernelCall:
     """The one-launch sort of the slots (zeroing ``counters`` if given, writing the
     GEMMs' ``tile_map``) and the quantisation of x (T, H), together: dynamic, x's T rows
     with their scales into ``q_scale``; static, each row into its k slots (slot order)
-    with their experts' scales ``q_scale``."""
+    with their experts' scales ``q_scale``.  ``fed``: (routing weights, output, the
+    ``addresses`` buffer), where the launch writes the ids', weights' and output's
+    addresses."""
     S = ids.numel()
     (sort_programs,), block, bins, nb = sort_launch_shape(S, E)
     T, H = x.shape
@@ -168,8 +181,10 @@ def _sort_quant_call(ids, perm, offsets, counters, tile_map: TileMap, E: int, x,
     return KernelCall(_sort_quant_kernel, (sort_programs + row_blocks * groups,), (
         ids, perm, offsets, *cnt, S, E, tile_map.tiles, max_row_tiles(S, E, tile_map.bm, True), sort_programs,
         x, x.stride(0), x.stride(1), q, q_scale, *scale_grid_strides(q_scale, static), T, H, groups,
+        *(fed or (x, x, x)),
     ), dict(BLOCK=block, NB=bins, NUM_BLOCKS=nb, CNT_BLOCK=cnt_block, MAP_BM=tile_map.bm, TOPK=k,
-            KP=next_power_of_2(k), STATIC=static, GROUP=bk, BLOCK_R=block_r, BLOCK_G=block_g), {})
+            KP=next_power_of_2(k), STATIC=static, GROUP=bk, BLOCK_R=block_r, BLOCK_G=block_g,
+            ADDRS=fed is not None), {})
 
 
 def _sorted_a(device: torch.device, gate_up: tuple, S: int, E: int, I: int, H: int, block: tuple[int, int]) -> bool:
@@ -209,8 +224,10 @@ def _calls(env: dict, E: int, I: int, block: tuple[int, int], activation: str, s
     if "tile_map" in env:
         tile_map = TileMap(env["tile_map"], _map_bm(S, E, hidden.shape[1], I))
     gemm = dict(offsets=offsets, perm=perm, gather_a=True, topk=1 if static else k, static=static, tile_map=tile_map)
+    weights, out, addresses = env["top_k_weights"], env["out"], env.get("addresses")
     if tile_map is not None:
-        calls = [_sort_quant_call(ids, perm, offsets, counters, tile_map, E, hidden, q, q_scale, bk, static)]
+        fed = None if addresses is None else (weights, out, addresses)
+        calls = [_sort_quant_call(ids, perm, offsets, counters, tile_map, E, hidden, q, q_scale, bk, static, fed)]
     else:
         calls = _large_sort_calls(ids, perm, offsets, env["hist"], env.get("slot_rows"), E)
         if sorted_a:  # q (S, H) in sorted order, read in place: each token quantised once, stored per slot
@@ -236,12 +253,11 @@ def _calls(env: dict, E: int, I: int, block: tuple[int, int], activation: str, s
 
     # down: y (S, H) back in slot order (sentinel slots' rows are zero or unwritten, and
     # never read), then the combine, in the same launch where there are counters
-    weights, out = env["top_k_weights"], env["out"]
-    fused = Combine(ids, weights, out, counters, env.get("partials")) if counters is not None else None
+    fused = Combine(ids, weights, out, counters, env.get("partials"), addresses) if counters is not None else None
     calls.append(_gemm_call(a_q, a_s, *down, block, y, offsets=offsets, perm=perm, scatter_out=True,
                             static=static_down, combine=fused, tile_map=tile_map))
     if fused is None:
-        calls.append(combine_call(y, ids, weights, E, out))
+        calls.append(combine_call(y, ids, weights, E, out, addresses))
     return [c for c in calls if c is not None]
 
 
@@ -344,7 +360,7 @@ def planned_experts(states: dict, key, args: tuple) -> torch.Tensor:
     :func:`.plans.planned`; ``key`` decides every tensor's dtype, shape, strides, device and
     16-byte alignment and every other argument's value (``fp8_moe_ops.ops`` keys on them)."""
     sources = _stacked_sources(args)
-    return planned(states, key, sources, args[0], lambda: _stacked(args, sources))
+    return planned(states, key, sources, args[0], lambda: _stacked(args, sources), FED)
 
 
 class StackedPlans(Plans):
@@ -354,6 +370,7 @@ class StackedPlans(Plans):
     limit, which act scales are given, the setting."""
 
     ARG_NAMES = ARG_NAMES
+    FED = FED
 
     def cheap_key(self, args: tuple, gluon) -> tuple:
         return (args[0].shape, *args[7], args[8], args[11], args[9] is None, args[10] is None, gluon)

@@ -43,7 +43,9 @@ weighted combine of :mod:`.combine`, one launch fewer.  ``out`` is the (S, N) sl
 y, as without it; each row tile, once its rows of a column tile are stored, adds one to
 that column tile's counter (``counter_ptr``, zeroed by the sort kernel earlier in the
 forward), and the program that brings it to the number of row tiles combines the
-column tile for all T (<= ``TB``) tokens into ``final_ptr`` (T, N).  The atomic is
+column tile for all T (<= ``TB``) tokens into ``final_ptr`` (T, N).  With ``ADDRS``
+the ids', weights' and output's addresses come from ``addr_ptr`` (written by the sort's
+launch: :func:`.combine.fed_pointers`) instead of the arguments.  The atomic is
 acquire/release at GPU scope after a CTA barrier, so the last program sees every row
 tile's stores; which program is last does not change a result.  Launched without FMA
 contraction (as the combine kernel), so the combine rounds each product as the reference
@@ -75,7 +77,7 @@ import triton.language as tl
 
 from ..functional import cdiv
 from .activation import gated_act_quant
-from .combine import combine_tokens
+from .combine import combine_tokens, fed_pointers
 from .quant import round_to
 
 
@@ -103,6 +105,7 @@ def _grouped_gemm_kernel(
     offsets_ptr,                             # (E,) int32 inclusive cumsum of rows per expert
     map_ptr,                                 # TILE_MAP: the sort's map of the num_pid_m row tiles (module doc)
     ids_ptr, tw_ptr, final_ptr, counter_ptr, T,  # COMBINE: (T, k) ids and weights, (T, N) output; counters
+    addr_ptr,                                # COMBINE with ADDRS: the addresses of ids, tw and final (int64)
     part_ptr,                                # SPLIT > 1: (S, SPLIT, N) float32 partial sums
     act_q_ptr, act_s_ptr, limit,             # GATED: (S, I) e4m3 out; dynamic (S, G) scales out, static (E,) in
     S, N, E, num_pid_m,
@@ -112,13 +115,15 @@ def _grouped_gemm_kernel(
     SCALE_E8M0: tl.constexpr, HAS_OFFSETS: tl.constexpr, TILE_MAP: tl.constexpr, W_SCALE_PER_TILE: tl.constexpr,
     W_TABLE: tl.constexpr, W_ALIGN: tl.constexpr,  # W_ALIGN: bytes every table address is a multiple of
     W_SPLIT: tl.constexpr,  # W_TABLE of 2E (N, K) gates then ups -> out (rows, 2N)
-    COMBINE: tl.constexpr, TB: tl.constexpr, KP: tl.constexpr,  # the fused combine (module doc)
+    COMBINE: tl.constexpr, TB: tl.constexpr, KP: tl.constexpr, ADDRS: tl.constexpr,  # the fused combine (module doc)
     SPLIT: tl.constexpr, KS: tl.constexpr,  # split K (COMBINE only): SPLIT ranges of KS (a multiple of BK)
     GATED: tl.constexpr, ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, ACT_STATIC: tl.constexpr,  # fused activation
     NG: tl.constexpr, CNT_OFF: tl.constexpr, ROWS: tl.constexpr, RB: tl.constexpr, BLOCK_G: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EP: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     pid = tl.program_id(0)
+    if ADDRS:
+        ids_ptr, tw_ptr, final_ptr = fed_pointers(addr_ptr, ids_ptr, tw_ptr, final_ptr)
     tiles_n = tl.cdiv(N, BN)
     num_pid_n = 2 * tiles_n if W_SPLIT else tiles_n
     if SPLIT > 1:

@@ -129,6 +129,7 @@ class Combine(NamedTuple):
     final: torch.Tensor  # (T, N): the layer's output
     counters: torch.Tensor  # int32, at least one per column tile (cdiv(N, 16) always is), zeroed before
     partials: torch.Tensor | None  # float32 (S, down_split, N) where that is above 1, else None
+    addresses: torch.Tensor | None = None  # int64 (3,): where the launch reads the first three's addresses (ADDRS)
 
 
 class Gated(NamedTuple):
@@ -206,10 +207,12 @@ def _gemm_call(q, q_scale, w, w_scale, block, out, *, offsets=None, perm=None, g
     if "maxnreg" in cfg:
         options["maxnreg"] = cfg["maxnreg"]
     # the combine's and the activation's arguments; `counters` serves both
-    ids = weights = final = partials = counters = dummy
+    ids = weights = final = partials = counters = addresses = dummy
     T, tb, kp = 0, 1, 2
+    fed = combine is not None and combine.addresses is not None
     if combine is not None:
-        ids, weights, final, counters, partials = combine
+        ids, weights, final, counters, partials = combine[:5]
+        addresses = combine.addresses if fed else dummy
         if (partials is None) != (k_split == 1):
             raise RuntimeError(f"split-K partials: expected a buffer for {k_split} K ranges, got {partials}")
         partials = dummy if partials is None else partials
@@ -233,13 +236,13 @@ def _gemm_call(q, q_scale, w, w_scale, block, out, *, offsets=None, perm=None, g
         out, out.stride(0),
         perm if perm is not None else dummy, offsets if offsets is not None else dummy,
         tile_map.tiles if mapped else dummy,
-        ids, weights, final, counters, T, partials, *act,
+        ids, weights, final, counters, T, addresses, partials, *act,
         S, N, E, num_pid_m,
     ), dict(K=K, TOPK=topk, BN_SCALE=bn, BK_SCALE=bk,
             GATHER_A=gather_a, SCATTER_OUT=scatter_out, STATIC=static,
             SCALE_E8M0=e8m0, HAS_OFFSETS=offsets is not None, TILE_MAP=mapped,
             W_SCALE_PER_TILE=bn % BN == 0 or one_scale_row, W_TABLE=table, W_ALIGN=align, W_SPLIT=split,
-            COMBINE=combine is not None, TB=tb, KP=kp, SPLIT=k_split, KS=cdiv(cdiv(K, bk_step), k_split) * bk_step,
+            COMBINE=combine is not None, TB=tb, KP=kp, ADDRS=fed, SPLIT=k_split, KS=cdiv(cdiv(K, bk_step), k_split) * bk_step,
             **act_meta, BM=BM, BN=BN, BK=bk_step, EP=_ep(E), GROUP_M=cfg["GROUP_M"]), options)
 
 

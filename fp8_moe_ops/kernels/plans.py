@@ -18,6 +18,21 @@ base's source with their shape and strides; a replay hands the launcher a descri
 the new base address, from which Triton's launcher builds the ``CUtensorMap`` as on any
 launch.  A forward of no launches (no rows) gets no plan.
 
+**Replays as CUDA graphs.**  A launch through Triton's launcher takes 4-6.5 µs of CPU,
+a CUDA graph's launch 2-3 µs whatever its kernels (``bench/host_parts.py``, an H100's
+host).  Where the forward's first launch is the only one that reads the call's own
+tensors (the ``fed`` sources and the output: it writes their addresses to the
+workspace's ``addresses`` buffer, and the later launches read them from there:
+:mod:`.experts`), a plan replays its later launches as a graph captured once: per call,
+one launch and the graph's.  A graph holds every other address it was captured with:
+the workspace's, which is then one allocation per CUDA stream and thread kept by the
+plan (calls on one stream run in order), and the other sources' (the weights), so a
+plan keeps a graph per stream, thread and those addresses, captured on the second call
+that brings them (a first one runs as any replay).  While the current stream is being
+captured (a CUDA graph of the caller's) a replay launches every kernel with its own
+workspace, as without graphs.  :data:`GRAPHS` (False: every replay launches every
+kernel) is there for benchmarks to compare the two in one process.
+
 Users: :mod:`.experts` (the experts ops, :class:`~.experts.StackedPlans`), :mod:`.gemms`
 (the GEMM ops, :class:`~.gemms.GemmPlans`), :mod:`.moe_list` (the list op).
 """
@@ -27,6 +42,7 @@ from __future__ import annotations
 import functools
 import math
 import operator
+import threading
 from typing import NamedTuple
 
 import torch
@@ -40,6 +56,7 @@ from .launch import KernelCall, TensorDescriptor, cached
 __all__ = ["Layout", "LaunchPlan", "planned", "Plans"]
 
 _ALIGN = 256  # bytes from one workspace buffer to the next (the kernels need 16)
+GRAPHS = True  # whether plans that can replay their later launches as CUDA graphs do
 
 
 class Layout(NamedTuple):
@@ -132,22 +149,31 @@ class LaunchPlan:
     On a GPU each launcher is called directly with the sources' addresses; under the
     Triton interpreter the recorded calls are replayed through the JIT (the tests)."""
 
-    __slots__ = ("_steps", "_layout", "device", "_offsets", "_constants", "_described", "_out")
+    __slots__ = ("_steps", "_layout", "device", "_offsets", "_constants", "_described", "_out", "_baked",
+                 "_graphs", "_workspaces")
 
     def __init__(self, steps: list, layout: Layout, device: int | None, constants: list | None = None,
-                 described: list | None = None, out: tuple | None = None):
+                 described: list | None = None, out: tuple | None = None, baked: list | None = None):
         # device: the GPU the launchers were compiled for; None: replays through the JIT;
-        # out: None (the output is like the first source), or its (shape, dtype)
+        # out: None (the output is like the first source), or its (shape, dtype);
+        # baked: where the launches after the first may run as a CUDA graph, the sources
+        # whose addresses the graph holds (indices into a replay's inputs), else None
         self._steps, self._layout, self.device, self._constants = steps, layout, device, constants
-        self._described, self._out = described, out
+        self._described, self._out, self._baked = described, out, baked
         self._offsets = [off for *_, off in layout.buffers]
+        self._graphs: dict = {}  # (stream, thread, baked addresses) -> None once seen, then its graph
+        self._workspaces: dict = {}  # (stream, thread) -> the workspace its graphs hold
 
     @classmethod
-    def record(cls, names: list, env: dict, layout: Layout, calls: list[KernelCall]) -> LaunchPlan | None:
+    def record(cls, names: list, env: dict, layout: Layout, calls: list[KernelCall],
+               fed: tuple = ()) -> LaunchPlan | None:
         """The plan of a forward just run (:func:`.experts.experts_forward`'s results; ``names``:
         the keys of its ``sources``, in the order a replay passes them), or None where
         it cannot have one: no launches, one tensor object as two sources, a tensor argument
-        that is none of the sources, a launcher compiled for another device."""
+        that is none of the sources, a launcher compiled for another device.  ``fed``:
+        the sources that only the first launch reads where the workspace has an
+        ``addresses`` buffer (it hands their addresses and the output's to the others
+        there): the plan then replays its later launches as CUDA graphs."""
         buffers = [name for name, *_ in layout.buffers]
         if not calls:
             return None
@@ -192,7 +218,10 @@ class LaunchPlan:
                     picks.append(n_sources + n_constants)
                     n_constants += 1
             steps.append((*how, entry.grid, _picker(picks)))  # launcher, head, packed (launch.Direct), ...
-        return cls(steps, layout, device, constants, described, out)
+        baked = None
+        if fed and "addresses" in buffers and len(steps) > 1:
+            baked = [i for i, name in enumerate(names) if name not in fed]
+        return cls(steps, layout, device, constants, described, out, baked)
 
     def run(self, inputs: list, hidden: torch.Tensor, aligned: bool = False) -> torch.Tensor | None:
         """The forward on ``inputs`` (the sources' values, in the recorded order);
@@ -209,24 +238,73 @@ class LaunchPlan:
             out = torch.empty_like(hidden, memory_format=torch.contiguous_format)
         else:
             out = torch.empty(self._out[0], dtype=self._out[1], device=hidden.device)
-        ws = torch.empty(self._layout.nbytes, dtype=torch.uint8, device=hidden.device)
         if device is None:
+            ws = torch.empty(self._layout.nbytes, dtype=torch.uint8, device=hidden.device)
             tensors = [*inputs, out, *self._layout.views(ws)]
             for entry, template in self._steps:
                 entry(*(tensors[a] if type(a) is _Source else a for a in template))
             return out
+        stream = driver.active.get_current_stream(device)
+        graph = key = None
+        if self._baked is not None and GRAPHS:
+            key = (stream, threading.get_ident(), *[values[i] for i in self._baked])
+            graph = self._graphs.get(key, _UNSEEN)
+            if graph is _UNSEEN:  # a first call of these addresses: no graph yet
+                if len(self._graphs) >= _MAX_GRAPHS:
+                    self._graphs.clear()  # (a graph still running is freed when it completes)
+                self._graphs[key] = graph = None
+            elif torch.cuda.is_current_stream_capturing():
+                graph = None
+            else:
+                ws = self._workspaces.get(key[:2])
+                if ws is None:
+                    ws = self._workspaces[key[:2]] = torch.empty(self._layout.nbytes, dtype=torch.uint8,
+                                                                 device=hidden.device)
+                graph = graph or False  # False: to be captured below
+        if graph is None:
+            ws = torch.empty(self._layout.nbytes, dtype=torch.uint8, device=hidden.device)
         base = ws.data_ptr()
         values.append(out.data_ptr())
         values += [base + off for off in self._offsets]
         values += self._constants
         values += [d.at(values[d.source]) for d in self._described]
-        stream = driver.active.get_current_stream(device)
-        for launcher, head, packed, grid, pick in self._steps:
+        if graph is False:
+            graph = self._graphs[key] = self._capture(values)
+        steps = self._steps if graph is None else self._steps[:1]
+        for launcher, head, packed, grid, pick in steps:
             if packed:
                 launcher(grid[0], grid[1], grid[2], stream, *head, pick(values))
             else:
                 launcher(grid[0], grid[1], grid[2], stream, *head, *pick(values))
+        if graph is not None:
+            graph.replay()
         return out
+
+    @property
+    def graphs(self) -> int:
+        """How many CUDA graphs of its launches the plan holds."""
+        return sum(g is not None for g in self._graphs.values())
+
+    def _capture(self, values: list) -> torch.cuda.CUDAGraph | None:
+        """The launches after the first on ``values``, captured as a CUDA graph (on a
+        side stream: capture cannot use the legacy default stream); None, and no graphs
+        for this plan from now on, where capture fails."""
+        graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+        try:
+            with torch.cuda.stream(side):
+                graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    for launcher, head, packed, grid, pick in self._steps[1:]:
+                        if packed:
+                            launcher(grid[0], grid[1], grid[2], side.cuda_stream, *head, pick(values))
+                        else:
+                            launcher(grid[0], grid[1], grid[2], side.cuda_stream, *head, *pick(values))
+                finally:
+                    graph.capture_end()
+        except RuntimeError:
+            self._baked = None
+            return None
+        return graph
 
 
 def _picker(positions: list):
@@ -238,16 +316,17 @@ def _picker(positions: list):
 
 
 _MAX_PLANS = 4096  # signatures per table; cleared when full (a model has a handful)
+_MAX_GRAPHS = 1024  # graphs (and addresses seen once) per plan; cleared when full (a model has one per layer)
 _UNSEEN = object()
 
 
-def planned(states: dict, key, sources: dict, hidden: torch.Tensor, forward) -> torch.Tensor:
+def planned(states: dict, key, sources: dict, hidden: torch.Tensor, forward, fed: tuple = ()) -> torch.Tensor:
     """One call through a table of plans (``states``: signature key -> None once seen, then
     its :class:`LaunchPlan`, or False where it cannot have one).  A signature's first
     call runs ``forward()`` (as :func:`.experts.experts_forward` returns them, on ``sources``), its second
     also records the launches, later calls replay them.  Recording on the second call
     keeps a signature seen once (a token count that never comes back) from paying for a
-    plan it never replays."""
+    plan it never replays.  ``fed``: as :meth:`LaunchPlan.record` takes it."""
     state = states.get(key, _UNSEEN)
     if isinstance(state, LaunchPlan):
         out = state.run(list(sources.values()), hidden)
@@ -259,7 +338,7 @@ def planned(states: dict, key, sources: dict, hidden: torch.Tensor, forward) -> 
             states.clear()
         states[key] = None
     elif state is None:
-        states[key] = LaunchPlan.record(list(sources), env, layout, calls) or False
+        states[key] = LaunchPlan.record(list(sources), env, layout, calls, fed) or False
     return out
 
 
@@ -291,6 +370,7 @@ class Plans:
     GUARDS_PER_KEY = 4
     MAX_KEYS = 256  # cheap keys; cleared when full (a model has a handful)
     ARG_NAMES: tuple = ()
+    FED: tuple = ()  # the sources a forward's first launch hands on (LaunchPlan.record's fed)
 
     def __init__(self, check):
         self._check = check
@@ -330,7 +410,7 @@ class Plans:
         if key not in self.states:
             self._check(*args)
         sources = self.sources(args)
-        out = planned(self.states, key, sources, hidden, lambda: self.forward(args, sources))
+        out = planned(self.states, key, sources, hidden, lambda: self.forward(args, sources), self.FED)
         plan = self.states.get(key)
         if isinstance(plan, LaunchPlan) and not guarded and cheap is not None and key not in self._keyed_only:
             if not self._remember(cheap, args, sources, plan):

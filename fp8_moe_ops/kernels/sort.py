@@ -146,16 +146,25 @@ def _sort_kernel(ids_ptr, perm_ptr, offsets_ptr, cnt_ptr, n_cnt, S, E, BLOCK: tl
 @triton.jit
 def _sort_quant_kernel(ids_ptr, perm_ptr, offsets_ptr, cnt_ptr, n_cnt, S, E, map_ptr, n_tiles, sort_programs,
                        x_ptr, stride_xm, stride_xk, q_ptr, s_ptr, stride_sm, stride_sk, R, K, groups,
+                       tw_ptr, out_ptr, addr_ptr,
                        BLOCK: tl.constexpr, NB: tl.constexpr, NUM_BLOCKS: tl.constexpr, CNT_BLOCK: tl.constexpr,
                        MAP_BM: tl.constexpr, TOPK: tl.constexpr, KP: tl.constexpr, STATIC: tl.constexpr,
-                       GROUP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr):
+                       GROUP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, ADDRS: tl.constexpr):
     """The sort (programs ``[0, sort_programs)``) and the quantisation of the
     activations (the rest, ``groups`` K groups per row block) in one launch: they are
     independent, and at decode each is a few microseconds of launch latency.  Dynamic:
     x's R = T rows; static: each of the R = T rows into its TOPK slots (slot order),
     each with the scale ``s_ptr[e]`` of its expert e (the sort is not needed for
-    that)."""
+    that).  With ``ADDRS`` program 0 also writes the addresses of the ids, the routing
+    weights and the layer's output (``tw_ptr``, ``out_ptr``) to ``addr_ptr[0:3]``
+    (int64), from where the forward's later launches read them (:mod:`.plans`: a plan
+    replayed as a CUDA graph)."""
     pid = tl.program_id(0)
+    if ADDRS:
+        if pid == 0:
+            tl.store(addr_ptr, ids_ptr.to(tl.int64))
+            tl.store(addr_ptr + 1, tw_ptr.to(tl.int64))
+            tl.store(addr_ptr + 2, out_ptr.to(tl.int64))
     if pid < sort_programs:
         sort_block(pid, ids_ptr, perm_ptr, offsets_ptr, cnt_ptr, n_cnt, S, E, map_ptr, n_tiles, BLOCK, NB, NUM_BLOCKS,
                    CNT_BLOCK, MAP_BM)
