@@ -52,18 +52,19 @@ FAKE_HEAD = ("function", False, False, None, None, "metadata", None, None, None)
 
 
 def record_with_fake_launchers(monkeypatch, names, env, layout, calls, device: int = 3, packed: bool = False,
-                               fed: tuple = ()):
+                               fed: tuple = (), launched: list | None = None):
     """``LaunchPlan.record`` of a forward's launches (``names``, ``env``, ``layout``,
     ``calls``: what ``kernels.plans`` records from), without a GPU, as on GPU
     ``device``: each compiled launcher is a fake that appends its arguments to the
     returned list (its head ``FAKE_HEAD``; with ``packed``, the kernel's arguments as one
     sequence, as from Triton 3.7), and the current stream is ``100 + device``.
-    ``fed``: as ``LaunchPlan.record`` takes it.  Returns (plan, the list)."""
+    ``fed``: as ``LaunchPlan.record`` takes it; ``launched``: the list to append to (a
+    new one by default).  Returns (plan, the list)."""
     from types import SimpleNamespace
 
     from fp8_moe_ops.kernels import launch, plans
 
-    launched = []
+    launched = [] if launched is None else launched
     fake = launch.Direct(lambda *a: launched.append(a), FAKE_HEAD, packed)
     monkeypatch.setattr(launch.Launch, "compiled", lambda self: (fake, device))
     current = SimpleNamespace(get_current_device=lambda: device, get_current_stream=lambda index: 100 + index)

@@ -37,7 +37,7 @@ import torch
 
 from fp8_moe_ops import reference, routing
 from fp8_moe_ops import kernels
-from fp8_moe_ops.kernels import experts, gemms, moe
+from fp8_moe_ops.kernels import experts, gemms, moe, plans, ws_gemm
 from fp8_moe_ops.kernels.experts import ARG_NAMES
 from fp8_moe_ops.kernels.plans import LaunchPlan
 
@@ -552,6 +552,61 @@ def test_plan_graphs_replay_new_inputs_and_layers_bitwise(case, combo):
     for i, (got, want) in enumerate(outs):
         assert torch.equal(got, want), i
     assert not torch.equal(outs[-1][1], outs[-3][1])  # the inputs differ
+
+
+def _graph_calls(T, E, H, I, k, combo="bf16 dynamic silu", calls=8):
+    """Eight calls of one plan (two layers alternating, new hidden states and routing on
+    every call): (the plan, [(its output, the forward's)])."""
+    layers = [_graph_inputs(T, E, H, I, k, [128, 128], "uniform", combo, seed) for seed in (1, 2)]
+    states, outs = {}, []
+    for i in range(calls):
+        args = (*_graph_inputs(T, E, H, I, k, [128, 128], "uniform", combo, 10 + i)[:3], *layers[i % 2][3:])
+        outs.append((kernels.planned_experts(states, "sig", args), kernels.grouped_experts(*args)))
+    return states["sig"], outs
+
+
+@pytest.mark.parametrize("form", ["split K", "Gluon down GEMM"])
+def test_plan_graphs_of_split_k_and_gluon_launches_bitwise(form, monkeypatch):
+    # the down GEMM's K in two ranges with the fused combine (mixtral_8x7b's T=1 form), and
+    # the Gluon down GEMM (TMA descriptors on the graph's workspace: the launch table takes
+    # it at mid sizes from 64 rows per expert, here made to)
+    if form == "split K":
+        T, E, H, I, k = 2, 16, 384, 256, 4
+        monkeypatch.setattr(moe, "gemm_config", with_split_k(moe.gemm_config, 2))
+    else:
+        T, E, H, I, k = 128, 4, 512, 256, 2
+        table = moe.gemm_config
+
+        def gluon_down(S, E, N, K, split_k=False, sms=None):
+            return dict(table(S, E, N, K, split_k, sms), ws_min_k=16)
+
+        monkeypatch.setattr(moe, "gemm_config", gluon_down)
+        if not ws_gemm.AVAILABLE or torch.cuda.get_device_capability() != (9, 0):
+            pytest.skip("the Gluon GEMM runs on sm_90")
+    args = _graph_inputs(T, E, H, I, k, [128, 128], "uniform", "bf16 dynamic silu", 3)
+    launched = [c.kernel for c in experts._stacked(args, experts._stacked_sources(args))[3]]
+    assert (ws_gemm._ws_gemm_kernel in launched) == (form != "split K")
+    plan, outs = _graph_calls(T, E, H, I, k)
+    assert plan.graphs == 2
+    for i, (got, want) in enumerate(outs):
+        assert torch.equal(got, want), i
+
+
+def test_plan_graph_workspace_stays_out_of_a_private_pool(monkeypatch):
+    # where this thread's allocations go to a private pool (torch.cuda.use_mem_pool, as
+    # torch.compile's CUDA graph trees warm up), the workspace the graphs share comes from
+    # the caching allocator's own pool: the private pool's owner would free a block it
+    # does not know of under the graphs
+    monkeypatch.setattr(plans, "_ARENAS", {})
+    pool = torch.cuda.MemPool()
+    with torch.cuda.use_mem_pool(pool):
+        plan, outs = _graph_calls(*EXPERT_CASES["T=1"][:5])
+    assert plan.graphs == 2
+    for i, (got, want) in enumerate(outs):
+        assert torch.equal(got, want), i
+    ((ws, _),) = plans._ARENAS.values()
+    segments = [(seg["address"], seg["total_size"]) for seg in pool.snapshot()]
+    assert segments and not [a for a, n in segments if a <= ws.data_ptr() < a + n]
 
 
 def test_plan_graphs_per_stream_and_thread_and_under_a_callers_capture():

@@ -59,6 +59,29 @@ def test_list_op_equals_stacked_op_bitwise(T, E, H, I, k, separate, extra):
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("separate", [False, True], ids=["fused", "separate"])
+def test_list_op_plan_graphs_replay_new_routing_bitwise(separate, monkeypatch):
+    # at decode the list op's plan replays its launches after the first as a CUDA graph
+    # (one per address table): every call with new hidden states and routing equals the
+    # stacked forward, and each output stays its own
+    from fp8_moe_ops import kernels
+    from fp8_moe_ops.kernels import moe_list
+
+    monkeypatch.setattr(moe_list, "_PLANS", {})
+    T, E, H, I, k = 8, 8, 256, 128, 2
+    a, lists = _stacked_and_lists(T, E, H, I, k, separate)
+    outs = []
+    for seed in range(10, 17):
+        fresh = _cuda(make_experts_inputs(T, E, H, I, k, [128, 128], seed=seed))
+        for name in ("hidden", "top_k_index", "top_k_weights"):
+            a[name] = lists[name] = fresh[name]
+        outs.append((OPS.grouped_experts_list(**lists), kernels.grouped_experts(**a)))
+    (plan,) = moe_list._PLANS.values()
+    assert plan.graphs == 1
+    for i, (got, want) in enumerate(outs):
+        assert torch.equal(got, want), i
+
+
 class _Expert(nn.Module):
     def __init__(self, H, I, gen):
         super().__init__()

@@ -1302,37 +1302,52 @@ class _FakeGraph:
 def test_a_plan_replays_its_later_launches_as_graphs_per_stream_thread_and_layer(monkeypatch):
     # LaunchPlan's CUDA graphs with fake launchers and a fake graph: the first replay of
     # a layer (its weights' addresses) on a stream and thread launches every kernel on a
-    # workspace of its own; the second captures the later launches on a workspace kept
-    # for that stream and thread, and it and every later one launch the first kernel on
-    # the call's tensors, then the graph; another stream, thread or layer gets its own
-    # graph; while the stream is being captured every kernel is launched as without graphs
+    # workspace of its own; the second captures the later launches on the workspace all
+    # plans' graphs share on that stream and thread (allocated then, on another thread),
+    # and it and every later one launch the first kernel on the call's tensors, then the
+    # graph; another stream, thread or layer gets its own graph; a larger plan's graph
+    # replaces the shared workspace, and the graphs on the old one are captured again;
+    # while the stream is being captured, or past the shared workspaces' limit, every
+    # kernel is launched as without graphs
     import contextlib
     import threading
     from types import SimpleNamespace
 
     from fp8_moe_ops.kernels import plans
 
-    def args_of(seed, layer):
-        args = _positional(*_experts_args("sentinels", torch.bfloat16, torch.float32, False, seed=seed))
+    def args_of(seed, layer, case="sentinels"):
+        args = _positional(*_experts_args(case, torch.bfloat16, torch.float32, False, seed=seed))
         return (*args[:3], *layer[3:])
 
     layers = [_positional(*_experts_args("sentinels", torch.bfloat16, torch.float32, False, seed=s)) for s in (1, 2)]
-    sources = experts._stacked_sources(layers[0])
-    _, env, layout, calls = experts._stacked(layers[0], sources)
-    plan, launched = record_with_fake_launchers(monkeypatch, sources, env, layout, calls, fed=experts.FED)
-    assert len(calls) == 4  # sort + quantise, gate_up, activation, down + combine
+    larger = (30, 5, 48, 24, 3, [16, 16], "sentinel")  # the same weights, more slots
+    recorded, launched = {}, []
+    for name, first in (("plan", layers[0]), ("larger", args_of(3, layers[0], larger))):
+        sources = experts._stacked_sources(first)
+        _, env, layout, calls = experts._stacked(first, sources)
+        recorded[name], _ = record_with_fake_launchers(monkeypatch, sources, env, layout, calls, fed=experts.FED,
+                                                       launched=launched)
+        assert len(calls) == (4 if name == "plan" else 5)  # the larger one: the combine's own launch
+    plan = recorded["plan"]
+    assert recorded["larger"]._layout.nbytes > plan._layout.nbytes
+    launched.clear()
     stream, capturing = [103], [False]
     monkeypatch.setattr(plans, "driver", SimpleNamespace(active=SimpleNamespace(
         get_current_device=lambda: 3, get_current_stream=lambda index: stream[0])))
+    monkeypatch.setattr(plans, "_ARENAS", {})
+    monkeypatch.setattr(plans, "_CAPTURE_STREAMS", {})
+    monkeypatch.setattr(plans, "_ARENA_STEP", 16)
     monkeypatch.setattr(_FakeGraph, "launched", launched)
     monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeGraph)
-    monkeypatch.setattr(torch.cuda, "Stream", lambda: SimpleNamespace(cuda_stream=999))
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device: SimpleNamespace(cuda_stream=999))
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: None)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: None)
     empty = torch.empty
 
-    def replay(args):
-        """(the launches, the workspaces allocated)"""
+    def replay(args, plan=plan):
+        """(the launches, the workspaces allocated, on any thread)"""
         before, made = len(launched), []
         with monkeypatch.context() as m:
             m.setattr(torch, "empty", lambda *a, **kw: made.append(empty(*a, **kw)) or made[-1])
@@ -1344,53 +1359,70 @@ def test_a_plan_replays_its_later_launches_as_graphs_per_stream_thread_and_layer
         base = ws.data_ptr()
         return launch[3], any(base <= v < base + ws.numel() for v in inside)
 
-    def plain(seed, layer):  # every launch, on the current stream and a workspace of its own
-        got, made = replay(args_of(seed, layer))
-        assert len(made) == 1 and [on(launch, made[0]) for launch in got] == [(stream[0], True)] * 4
+    def plain(args, plan=plan):  # every launch, on the current stream and a workspace of its own
+        got, made = replay(args, plan)
+        assert len(made) == 1 and {on(launch, made[0]) for launch in got} == {(stream[0], True)}
         return got
 
-    def graphed(seed, layer, kept=None, capture=True):  # the first launch, then the graph; (graph, kept workspace)
-        args = args_of(seed, layer)
-        got, made = replay(args)
-        if kept is None:  # a workspace kept from now on
+    def graphed(args, kept=None, capture=True, plan=plan):  # the first launch, then the graph
+        got, made = replay(args, plan)
+        if kept is None:  # a shared workspace allocated now
             (kept,) = made
+            assert kept.numel() >= plan._layout.nbytes
         else:
             assert made == []
-        if capture:  # the later launches captured on a side stream
-            captured, got = got[:3], got[3:]
-            assert [on(launch, kept) for launch in captured] == [(999, True)] * 3
+        if capture:  # the later launches captured on the capture stream
+            n = len(plan._steps) - 1
+            captured, got = got[:n], got[n:]
+            assert [on(launch, kept) for launch in captured] == [(999, True)] * n
         assert len(got) == 2 and got[1][0] == "graph" and on(got[0], kept) == (stream[0], True)
         assert args[0].data_ptr() in got[0] and args[1].data_ptr() in got[0]  # the call's hidden and ids
         return got[1][1], kept
 
-    plain(10, layers[0])
-    graph_a, kept = graphed(11, layers[0])
-    assert graphed(12, layers[0], kept, capture=False) == (graph_a, kept)
-    plain(13, layers[1])
-    graph_b, _ = graphed(14, layers[1], kept)  # the other layer: its own graph, the same workspace
+    plain(args_of(10, layers[0]))
+    graph_a, kept = graphed(args_of(11, layers[0]))
+    assert graphed(args_of(12, layers[0]), kept, capture=False) == (graph_a, kept)
+    plain(args_of(13, layers[1]))
+    graph_b, _ = graphed(args_of(14, layers[1]), kept)  # the other layer: its own graph, the same workspace
     assert graph_b is not graph_a and graph_b.launches != graph_a.launches
     capturing[0] = True
-    plain(15, layers[0])
+    plain(args_of(15, layers[0]))
     capturing[0] = False
     stream[0] = 104
-    plain(16, layers[0])
-    graph_c, kept_c = graphed(17, layers[0])
+    plain(args_of(16, layers[0]))
+    graph_c, kept_c = graphed(args_of(17, layers[0]))
     assert graph_c is not graph_a and kept_c.data_ptr() != kept.data_ptr()
     stream[0] = 103
     errors = []
 
     def in_a_thread():
         try:
-            plain(18, layers[0])
-            graphed(19, layers[0])
+            plain(args_of(18, layers[0]))
+            graphed(args_of(19, layers[0]))
         except BaseException as e:  # (re-raised below)
             errors.append(e)
 
     thread = threading.Thread(target=in_a_thread)
     thread.start()
     thread.join()
-    assert errors == [] and plan.graphs == 4
-    assert graphed(20, layers[0], kept, capture=False) == (graph_a, kept)
+    assert errors == [] and plan.graphs == 4 and len(plans._ARENAS) == 3
+    assert graphed(args_of(20, layers[0]), kept, capture=False) == (graph_a, kept)
+    # the larger plan: a shared workspace twice as large, on which the first plan's graph is captured again
+    plain(args_of(21, layers[0], larger), plan=recorded["larger"])
+    _, grown = graphed(args_of(22, layers[0], larger), plan=recorded["larger"])
+    assert grown.numel() == max(2 * kept.numel(), recorded["larger"]._layout.nbytes)
+    graph_a2, _ = graphed(args_of(23, layers[0]), grown)
+    assert graph_a2 is not graph_a and plan.graphs == 4
+    assert graphed(args_of(24, layers[0]), grown, capture=False) == (graph_a2, grown)
+    # no more shared workspaces than the limit: another stream launches every kernel
+    monkeypatch.setattr(plans, "_MAX_ARENAS", 3)
+    stream[0] = 105
+    for seed in (25, 26, 27):
+        plain(args_of(seed, layers[0]))
+    stream[0] = 103
+    plans.release_graph_workspaces()
+    plain_or_new = graphed(args_of(28, layers[0]))  # captured again, on a new shared workspace
+    assert plain_or_new[0] is not graph_a2
 
 
 def _gemm_args(name, static, seed, scale_dtype=torch.float32):

@@ -42,7 +42,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from .grouped_gemm import WeightTable
 from .._checks import meta_key
-from .experts import experts_forward, routing_sources
+from .experts import FED, experts_forward, routing_sources
 from .moe import _block
 from .plans import planned
 
@@ -153,7 +153,8 @@ def grouped_experts_list(hidden, top_k_index, top_k_weights, gate_up_proj, gate_
     the routing tensors and act scales, the other arguments' values, the list lengths,
     the first weight and scale grid of each list (the op's checks hold every expert to
     them) and whether the weights are 16-byte aligned; the address table is an input of
-    the plan like any tensor."""
+    the plan like any tensor.  At decode a replay is the first launch and a CUDA graph
+    of the others, one per address table (layer), stream and thread (:mod:`.plans`)."""
     block = _block(block_size)
     E, G = len(down_proj), len(gate_up_proj)
     I = down_proj[0].shape[1]
@@ -171,4 +172,4 @@ def grouped_experts_list(hidden, top_k_index, top_k_weights, gate_up_proj, gate_
         down = (_weights(sources["down_w"], sources["down_s"], E, down_proj[0], down_scale_inv[0], aligned, False), None)
         return experts_forward(sources, E, I, block, gate_up, down, activation, swiglu_limit)
 
-    return planned(_PLANS, key, sources, hidden, forward)
+    return planned(_PLANS, key, sources, hidden, forward, FED)

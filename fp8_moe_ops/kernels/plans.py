@@ -25,13 +25,15 @@ tensors (the ``fed`` sources and the output: it writes their addresses to the
 workspace's ``addresses`` buffer, and the later launches read them from there:
 :mod:`.experts`), a plan replays its later launches as a graph captured once: per call,
 one launch and the graph's.  A graph holds every other address it was captured with:
-the workspace's, which is then one allocation per CUDA stream and thread kept by the
-plan (calls on one stream run in order), and the other sources' (the weights), so a
-plan keeps a graph per stream, thread and those addresses, captured on the second call
-that brings them (a first one runs as any replay).  While the current stream is being
-captured (a CUDA graph of the caller's) a replay launches every kernel with its own
-workspace, as without graphs.  :data:`GRAPHS` (False: every replay launches every
-kernel) is there for benchmarks to compare the two in one process.
+the other sources' (the weights), so a plan keeps a graph per CUDA stream, thread and
+those addresses, captured on the second call that brings them (a first one runs as any
+replay); and its workspace's, which is one allocation that every plan's graphs share per
+device, stream and thread (calls there run one after another: :func:`_arena`), grown
+(and the graphs on it captured again) when a plan needs more.  While the current stream
+is being captured (a CUDA graph of the caller's) a replay launches every kernel with its
+own workspace, as without graphs.  :data:`GRAPHS` (False: every replay launches every
+kernel) is there for benchmarks to compare the two in one process;
+:func:`release_graph_workspaces` frees the shared workspaces.
 
 Users: :mod:`.experts` (the experts ops, :class:`~.experts.StackedPlans`), :mod:`.gemms`
 (the GEMM ops, :class:`~.gemms.GemmPlans`), :mod:`.moe_list` (the list op).
@@ -40,6 +42,7 @@ Users: :mod:`.experts` (the experts ops, :class:`~.experts.StackedPlans`), :mod:
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import operator
 import threading
@@ -53,7 +56,7 @@ from ..functional import cdiv
 from . import ws_gemm
 from .launch import KernelCall, TensorDescriptor, cached
 
-__all__ = ["Layout", "LaunchPlan", "planned", "Plans"]
+__all__ = ["Layout", "LaunchPlan", "planned", "Plans", "release_graph_workspaces"]
 
 _ALIGN = 256  # bytes from one workspace buffer to the next (the kernels need 16)
 GRAPHS = True  # whether plans that can replay their later launches as CUDA graphs do
@@ -150,7 +153,7 @@ class LaunchPlan:
     Triton interpreter the recorded calls are replayed through the JIT (the tests)."""
 
     __slots__ = ("_steps", "_layout", "device", "_offsets", "_constants", "_described", "_out", "_baked",
-                 "_graphs", "_workspaces")
+                 "_graphs")
 
     def __init__(self, steps: list, layout: Layout, device: int | None, constants: list | None = None,
                  described: list | None = None, out: tuple | None = None, baked: list | None = None):
@@ -161,8 +164,9 @@ class LaunchPlan:
         self._steps, self._layout, self.device, self._constants = steps, layout, device, constants
         self._described, self._out, self._baked = described, out, baked
         self._offsets = [off for *_, off in layout.buffers]
-        self._graphs: dict = {}  # (stream, thread, baked addresses) -> None once seen, then its graph
-        self._workspaces: dict = {}  # (stream, thread) -> the workspace its graphs hold
+        # (stream, thread, baked addresses) -> None once seen, then (its graph, the generation
+        # of the workspace it uses: _arena), or _FAILED
+        self._graphs: dict = {}
 
     @classmethod
     def record(cls, names: list, env: dict, layout: Layout, calls: list[KernelCall],
@@ -245,22 +249,22 @@ class LaunchPlan:
                 entry(*(tensors[a] if type(a) is _Source else a for a in template))
             return out
         stream = driver.active.get_current_stream(device)
-        graph = key = None
-        if self._baked is not None and GRAPHS:
-            key = (stream, threading.get_ident(), *[values[i] for i in self._baked])
-            graph = self._graphs.get(key, _UNSEEN)
-            if graph is _UNSEEN:  # a first call of these addresses: no graph yet
+        graph = key = None  # None: every launch, on a workspace of this call's; else the graph's workspace
+        baked = self._baked
+        if baked is not None and GRAPHS:
+            thread = threading.get_ident()
+            key = (stream, thread, *[values[i] for i in baked])
+            state = self._graphs.get(key, _UNSEEN)
+            if state is _UNSEEN:  # a first call of these addresses: no graph yet
                 if len(self._graphs) >= _MAX_GRAPHS:
                     self._graphs.clear()  # (a graph still running is freed when it completes)
-                self._graphs[key] = graph = None
-            elif torch.cuda.is_current_stream_capturing():
-                graph = None
-            else:
-                ws = self._workspaces.get(key[:2])
-                if ws is None:
-                    ws = self._workspaces[key[:2]] = torch.empty(self._layout.nbytes, dtype=torch.uint8,
-                                                                 device=hidden.device)
-                graph = graph or False  # False: to be captured below
+                self._graphs[key] = None
+            elif state is not _FAILED and not torch.cuda.is_current_stream_capturing():
+                arena = _arena((device, stream, thread), self._layout.nbytes, hidden.device)
+                if arena is not None:
+                    ws, generation = arena
+                    # a graph captured on an earlier workspace of this stream and thread is captured again
+                    graph = state[0] if state is not None and state[1] == generation else generation
         if graph is None:
             ws = torch.empty(self._layout.nbytes, dtype=torch.uint8, device=hidden.device)
         base = ws.data_ptr()
@@ -268,8 +272,10 @@ class LaunchPlan:
         values += [base + off for off in self._offsets]
         values += self._constants
         values += [d.at(values[d.source]) for d in self._described]
-        if graph is False:
-            graph = self._graphs[key] = self._capture(values)
+        if type(graph) is int:  # the generation of the workspace to capture on
+            captured = self._capture(values, device)
+            self._graphs[key] = _FAILED if captured is None else (captured, graph)
+            graph = captured  # None: every launch, on the arena's workspace
         steps = self._steps if graph is None else self._steps[:1]
         for launcher, head, packed, grid, pick in steps:
             if packed:
@@ -283,13 +289,16 @@ class LaunchPlan:
     @property
     def graphs(self) -> int:
         """How many CUDA graphs of its launches the plan holds."""
-        return sum(g is not None for g in self._graphs.values())
+        return sum(type(g) is tuple for g in self._graphs.values())
 
-    def _capture(self, values: list) -> torch.cuda.CUDAGraph | None:
-        """The launches after the first on ``values``, captured as a CUDA graph (on a
-        side stream: capture cannot use the legacy default stream); None, and no graphs
-        for this plan from now on, where capture fails."""
-        graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    def _capture(self, values: list, device: int) -> torch.cuda.CUDAGraph | None:
+        """The launches after the first on ``values``, captured as a CUDA graph on this
+        device's capture stream (capture cannot use the legacy default stream); None
+        where capture fails."""
+        side = _CAPTURE_STREAMS.get(device)
+        if side is None:
+            side = _CAPTURE_STREAMS[device] = torch.cuda.Stream(device)
+        graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.stream(side):
                 graph.capture_begin(capture_error_mode="thread_local")
@@ -302,9 +311,57 @@ class LaunchPlan:
                 finally:
                     graph.capture_end()
         except RuntimeError:
-            self._baked = None
             return None
         return graph
+
+
+_ARENAS: dict = {}  # (device, stream, thread) -> (the workspace the plans' graphs there use, its generation)
+_MAX_ARENAS = 16  # (stream, thread) pairs per process with graphs; further ones launch every kernel
+_ARENA_STEP = 1 << 20  # bytes an arena's size is a multiple of
+_GENERATIONS = itertools.count()
+_CAPTURE_STREAMS: dict = {}  # device -> the stream graphs are captured on
+
+
+def _arena(key: tuple, nbytes: int, device: torch.device) -> tuple[torch.Tensor, int] | None:
+    """The workspace every plan's graphs use on ``key``'s device, stream and thread (calls
+    there run one after another), at least ``nbytes`` long, and its generation (a new
+    one each time it is replaced by a larger one, at least twice the size); None where
+    ``_MAX_ARENAS`` are taken.  Allocated from another thread: where this thread's
+    allocations go to a private pool (``torch.cuda.use_mem_pool``, or the warm-up of
+    ``torch.compile``'s CUDA graph trees), one that the pool's owner does not know of
+    would be freed under the graphs by its next reset; another thread's allocations
+    come from the caching allocator's own pool.  It is marked as used on ``stream``, so
+    that a replaced arena is not reused before the graphs launched on it finish."""
+    arena = _ARENAS.get(key)
+    if arena is not None and arena[0].numel() >= nbytes:
+        return arena
+    if arena is None and len(_ARENAS) >= _MAX_ARENAS:
+        return None
+    size = max(nbytes, 2 * arena[0].numel() if arena is not None else 0)
+    size = -(-size // _ARENA_STEP) * _ARENA_STEP
+    made: list = []
+
+    def allocate():
+        try:
+            made.append(torch.empty(size, dtype=torch.uint8, device=device))
+        except BaseException as e:  # (raised again below, in the caller's thread)
+            made.append(e)
+
+    helper = threading.Thread(target=allocate)
+    helper.start()
+    helper.join()
+    if isinstance(made[0], BaseException):
+        raise made[0]
+    ws = made[0]
+    ws.record_stream(torch.cuda.current_stream(device))
+    arena = _ARENAS[key] = (ws, next(_GENERATIONS))
+    return arena
+
+
+def release_graph_workspaces() -> None:
+    """Frees the workspaces the plans' CUDA graphs use (a later call of a graph
+    captures it again on a new one)."""
+    _ARENAS.clear()
 
 
 def _picker(positions: list):
@@ -318,6 +375,7 @@ def _picker(positions: list):
 _MAX_PLANS = 4096  # signatures per table; cleared when full (a model has a handful)
 _MAX_GRAPHS = 1024  # graphs (and addresses seen once) per plan; cleared when full (a model has one per layer)
 _UNSEEN = object()
+_FAILED = object()  # a key whose graph could not be captured: every launch from then on
 
 
 def planned(states: dict, key, sources: dict, hidden: torch.Tensor, forward, fed: tuple = ()) -> torch.Tensor:
