@@ -276,12 +276,7 @@ class LaunchPlan:
             captured = self._capture(values, device)
             self._graphs[key] = _FAILED if captured is None else (captured, graph)
             graph = captured  # None: every launch, on the arena's workspace
-        steps = self._steps if graph is None else self._steps[:1]
-        for launcher, head, packed, grid, pick in steps:
-            if packed:
-                launcher(grid[0], grid[1], grid[2], stream, *head, pick(values))
-            else:
-                launcher(grid[0], grid[1], grid[2], stream, *head, *pick(values))
+        _launch(self._steps if graph is None else self._steps[:1], stream, values)
         if graph is not None:
             graph.replay()
         return out
@@ -303,11 +298,7 @@ class LaunchPlan:
             with torch.cuda.stream(side):
                 graph.capture_begin(capture_error_mode="thread_local")
                 try:
-                    for launcher, head, packed, grid, pick in self._steps[1:]:
-                        if packed:
-                            launcher(grid[0], grid[1], grid[2], side.cuda_stream, *head, pick(values))
-                        else:
-                            launcher(grid[0], grid[1], grid[2], side.cuda_stream, *head, *pick(values))
+                    _launch(self._steps[1:], side.cuda_stream, values)
                 finally:
                     graph.capture_end()
         except RuntimeError:
@@ -362,6 +353,16 @@ def release_graph_workspaces() -> None:
     """Frees the workspaces the plans' CUDA graphs use (a later call of a graph
     captures it again on a new one)."""
     _ARENAS.clear()
+
+
+def _launch(steps: list, stream: int, values: list) -> None:
+    """Each recorded step's launcher called on ``stream`` with its arguments picked from
+    ``values``."""
+    for launcher, head, packed, grid, pick in steps:
+        if packed:
+            launcher(grid[0], grid[1], grid[2], stream, *head, pick(values))
+        else:
+            launcher(grid[0], grid[1], grid[2], stream, *head, *pick(values))
 
 
 def _picker(positions: list):
