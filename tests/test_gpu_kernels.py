@@ -536,10 +536,11 @@ def _graph_inputs(T, E, H, I, k, block, routing, combo, seed) -> tuple:
 
 @pytest.mark.parametrize("combo", list(EXPERT_COMBOS))
 @pytest.mark.parametrize("case", GRAPH_CASES)
-def test_plan_graphs_replay_new_inputs_and_layers_bitwise(case, combo):
+def test_plan_graphs_replay_new_inputs_and_layers_bitwise(case, combo, monkeypatch):
     # up to FED_SLOTS slots a plan replays its launches after the first as a CUDA graph,
     # one per layer (the weights' addresses), captured on the second replay of a layer;
     # every call has new hidden states and routing, and each output stays its own
+    monkeypatch.setattr(plans, "_ARENAS", {})  # (their own shared workspace, not another test's)
     T, E, H, I, k, block, routing = EXPERT_CASES[case]
     layers = [_graph_inputs(T, E, H, I, k, block, routing, combo, seed) for seed in (1, 2)]
     states, outs = {}, []
@@ -570,6 +571,7 @@ def test_plan_graphs_of_split_k_and_gluon_launches_bitwise(form, monkeypatch):
     # the down GEMM's K in two ranges with the fused combine (mixtral_8x7b's T=1 form), and
     # the Gluon down GEMM (TMA descriptors on the graph's workspace: the launch table takes
     # it at mid sizes from 64 rows per expert, here made to)
+    monkeypatch.setattr(plans, "_ARENAS", {})
     if form == "split K":
         T, E, H, I, k = 2, 16, 384, 256, 4
         monkeypatch.setattr(moe, "gemm_config", with_split_k(moe.gemm_config, 2))

@@ -65,9 +65,10 @@ def test_list_op_plan_graphs_replay_new_routing_bitwise(separate, monkeypatch):
     # (one per address table): every call with new hidden states and routing equals the
     # stacked forward, and each output stays its own
     from fp8_moe_ops import kernels
-    from fp8_moe_ops.kernels import moe_list
+    from fp8_moe_ops.kernels import moe_list, plans
 
     monkeypatch.setattr(moe_list, "_PLANS", {})
+    monkeypatch.setattr(plans, "_ARENAS", {})
     T, E, H, I, k = 8, 8, 256, 128, 2
     a, lists = _stacked_and_lists(T, E, H, I, k, separate)
     outs = []

@@ -1306,9 +1306,10 @@ def test_a_plan_replays_its_later_launches_as_graphs_per_stream_thread_and_layer
     # plans' graphs share on that stream and thread (allocated then, on another thread),
     # and it and every later one launch the first kernel on the call's tensors, then the
     # graph; another stream, thread or layer gets its own graph; a larger plan's graph
-    # replaces the shared workspace, and the graphs on the old one are captured again;
-    # while the stream is being captured, or past the shared workspaces' limit, every
-    # kernel is launched as without graphs
+    # replaces the shared workspace, and the graphs on the old one are captured again, as
+    # after the oldest workspace is freed for a new one past the limit, or all released;
+    # while the stream is being captured, or where the workspace cannot be allocated,
+    # every kernel is launched as without graphs
     import contextlib
     import threading
     from types import SimpleNamespace
@@ -1343,14 +1344,20 @@ def test_a_plan_replays_its_later_launches_as_graphs_per_stream_thread_and_layer
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device: None)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
-    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: None)
-    empty = torch.empty
+    empty, out_of_memory = torch.empty, [False]
 
     def replay(args, plan=plan):
         """(the launches, the workspaces allocated, on any thread)"""
         before, made = len(launched), []
+
+        def allocate(*a, **kw):
+            if out_of_memory[0] and threading.current_thread() is not threading.main_thread():
+                raise torch.OutOfMemoryError("no memory for a shared workspace")
+            made.append(empty(*a, **kw))
+            return made[-1]
+
         with monkeypatch.context() as m:
-            m.setattr(torch, "empty", lambda *a, **kw: made.append(empty(*a, **kw)) or made[-1])
+            m.setattr(torch, "empty", allocate)
             plan.run(list(experts._stacked_sources(args).values()), args[0])
         return launched[before:], [t for t in made if t.dtype == torch.uint8]
 
@@ -1414,15 +1421,22 @@ def test_a_plan_replays_its_later_launches_as_graphs_per_stream_thread_and_layer
     graph_a2, _ = graphed(args_of(23, layers[0]), grown)
     assert graph_a2 is not graph_a and plan.graphs == 4
     assert graphed(args_of(24, layers[0]), grown, capture=False) == (graph_a2, grown)
-    # no more shared workspaces than the limit: another stream launches every kernel
+    # no more shared workspaces than the limit: a new one frees the oldest (stream 104's,
+    # whose graph is then captured again on a new one)
     monkeypatch.setattr(plans, "_MAX_ARENAS", 3)
     stream[0] = 105
-    for seed in (25, 26, 27):
-        plain(args_of(seed, layers[0]))
+    plain(args_of(25, layers[0]))
+    graphed(args_of(26, layers[0]))
+    assert len(plans._ARENAS) == 3 and (3, 104, threading.get_ident()) not in plans._ARENAS
+    stream[0] = 104
+    graph_c2, _ = graphed(args_of(27, layers[0]))
+    assert graph_c2 is not graph_c
     stream[0] = 103
     plans.release_graph_workspaces()
-    plain_or_new = graphed(args_of(28, layers[0]))  # captured again, on a new shared workspace
-    assert plain_or_new[0] is not graph_a2
+    out_of_memory[0] = True
+    plain(args_of(28, layers[0]))  # no shared workspace to be had: every launch, this call's workspace
+    out_of_memory[0] = False
+    assert graphed(args_of(29, layers[0]))[0] is not graph_a2  # captured again, on a new shared workspace
 
 
 def _gemm_args(name, static, seed, scale_dtype=torch.float32):

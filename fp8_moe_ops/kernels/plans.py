@@ -288,64 +288,70 @@ class LaunchPlan:
 
     def _capture(self, values: list, device: int) -> torch.cuda.CUDAGraph | None:
         """The launches after the first on ``values``, captured as a CUDA graph on this
-        device's capture stream (capture cannot use the legacy default stream); None
-        where capture fails."""
-        side = _CAPTURE_STREAMS.get(device)
-        if side is None:
-            side = _CAPTURE_STREAMS[device] = torch.cuda.Stream(device)
+        device's capture stream (capture cannot use the legacy default stream), one
+        capture at a time; None where capture fails."""
         graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.stream(side):
-                graph.capture_begin(capture_error_mode="thread_local")
-                try:
-                    _launch(self._steps[1:], side.cuda_stream, values)
-                finally:
-                    graph.capture_end()
-        except RuntimeError:
-            return None
+        with _CAPTURE_LOCK:
+            side = _CAPTURE_STREAMS.get(device)
+            if side is None:
+                side = _CAPTURE_STREAMS[device] = torch.cuda.Stream(device)
+            try:
+                with torch.cuda.stream(side):
+                    graph.capture_begin(capture_error_mode="thread_local")
+                    try:
+                        _launch(self._steps[1:], side.cuda_stream, values)
+                    finally:
+                        graph.capture_end()
+            except RuntimeError:
+                return None
         return graph
 
 
 _ARENAS: dict = {}  # (device, stream, thread) -> (the workspace the plans' graphs there use, its generation)
-_MAX_ARENAS = 16  # (stream, thread) pairs per process with graphs; further ones launch every kernel
+_MAX_ARENAS = 16  # kept per process (device, stream and thread); the oldest is freed for a new one
 _ARENA_STEP = 1 << 20  # bytes an arena's size is a multiple of
 _GENERATIONS = itertools.count()
 _CAPTURE_STREAMS: dict = {}  # device -> the stream graphs are captured on
+_CAPTURE_LOCK = threading.Lock()  # one capture at a time on a device's capture stream
 
 
 def _arena(key: tuple, nbytes: int, device: torch.device) -> tuple[torch.Tensor, int] | None:
     """The workspace every plan's graphs use on ``key``'s device, stream and thread (calls
     there run one after another), at least ``nbytes`` long, and its generation (a new
-    one each time it is replaced by a larger one, at least twice the size); None where
-    ``_MAX_ARENAS`` are taken.  Allocated from another thread: where this thread's
-    allocations go to a private pool (``torch.cuda.use_mem_pool``, or the warm-up of
-    ``torch.compile``'s CUDA graph trees), one that the pool's owner does not know of
-    would be freed under the graphs by its next reset; another thread's allocations
-    come from the caching allocator's own pool.  It is marked as used on ``stream``, so
-    that a replaced arena is not reused before the graphs launched on it finish."""
+    one each time it is replaced by a larger one, at least twice the size, or freed: a
+    graph captured on another generation is captured again); None where the allocation
+    runs out of memory (the call then launches every kernel on a workspace of its own).
+    At most ``_MAX_ARENAS`` are kept: a new one frees the oldest (a thread's that
+    ended, say).  Allocated on the call's stream from another thread: where this
+    thread's allocations go to a private pool (``torch.cuda.use_mem_pool``, or the
+    warm-up of ``torch.compile``'s CUDA graph trees), one that the pool's owner does
+    not know of would be freed under the graphs by its next reset; another thread's
+    allocations come from the caching allocator's own pool."""
     arena = _ARENAS.get(key)
     if arena is not None and arena[0].numel() >= nbytes:
         return arena
-    if arena is None and len(_ARENAS) >= _MAX_ARENAS:
-        return None
     size = max(nbytes, 2 * arena[0].numel() if arena is not None else 0)
     size = -(-size // _ARENA_STEP) * _ARENA_STEP
-    made: list = []
+    _ARENAS.pop(key, None)  # (a freed arena goes back to its stream: reused only after what is queued there)
+    while len(_ARENAS) >= _MAX_ARENAS:
+        _ARENAS.pop(next(iter(_ARENAS)), None)
+    stream, made = torch.cuda.current_stream(device), []
 
     def allocate():
         try:
-            made.append(torch.empty(size, dtype=torch.uint8, device=device))
-        except BaseException as e:  # (raised again below, in the caller's thread)
+            with torch.cuda.stream(stream):
+                made.append(torch.empty(size, dtype=torch.uint8, device=device))
+        except BaseException as e:  # (handled below, in the caller's thread)
             made.append(e)
 
     helper = threading.Thread(target=allocate)
     helper.start()
     helper.join()
+    if isinstance(made[0], torch.OutOfMemoryError):
+        return None
     if isinstance(made[0], BaseException):
         raise made[0]
-    ws = made[0]
-    ws.record_stream(torch.cuda.current_stream(device))
-    arena = _ARENAS[key] = (ws, next(_GENERATIONS))
+    arena = _ARENAS[key] = (made[0], next(_GENERATIONS))
     return arena
 
 
