@@ -1306,10 +1306,11 @@ def test_a_plan_replays_its_later_launches_as_graphs_per_stream_thread_and_layer
     # plans' graphs share on that stream and thread (allocated then, on another thread),
     # and it and every later one launch the first kernel on the call's tensors, then the
     # graph; another stream, thread or layer gets its own graph; a larger plan's graph
-    # replaces the shared workspace, and the graphs on the old one are captured again, as
-    # after the oldest workspace is freed for a new one past the limit, or all released;
-    # while the stream is being captured, or where the workspace cannot be allocated,
-    # every kernel is launched as without graphs
+    # replaces the shared workspace (allocated on the call's stream), and the graphs on the
+    # old one are captured again, as after all are released; past the limit an ended
+    # thread's is freed for a new one; while the stream is being captured, past the limit
+    # with every thread alive, or where the workspace could not be allocated, every kernel
+    # is launched as without graphs
     import contextlib
     import threading
     from types import SimpleNamespace
@@ -1341,17 +1342,20 @@ def test_a_plan_replays_its_later_launches_as_graphs_per_stream_thread_and_layer
     monkeypatch.setattr(_FakeGraph, "launched", launched)
     monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeGraph)
     monkeypatch.setattr(torch.cuda, "Stream", lambda device: SimpleNamespace(cuda_stream=999))
-    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: None)
+    entered = []  # (thread, stream) of each torch.cuda.stream context
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: entered.append((threading.get_ident(), s)) or
+                        contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: ("current", stream[0]))
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
-    empty, out_of_memory = torch.empty, [False]
+    empty, out_of_memory, tried = torch.empty, [False], []
 
     def replay(args, plan=plan):
         """(the launches, the workspaces allocated, on any thread)"""
-        before, made = len(launched), []
+        before, made, caller = len(launched), [], threading.get_ident()
 
         def allocate(*a, **kw):
-            if out_of_memory[0] and threading.current_thread() is not threading.main_thread():
+            if out_of_memory[0] and threading.get_ident() != caller:
+                tried.append(a)
                 raise torch.OutOfMemoryError("no memory for a shared workspace")
             made.append(empty(*a, **kw))
             return made[-1]
@@ -1372,10 +1376,13 @@ def test_a_plan_replays_its_later_launches_as_graphs_per_stream_thread_and_layer
         return got
 
     def graphed(args, kept=None, capture=True, plan=plan):  # the first launch, then the graph
+        first = len(entered)
         got, made = replay(args, plan)
-        if kept is None:  # a shared workspace allocated now
+        if kept is None:  # a shared workspace allocated now, on the call's stream by another thread
             (kept,) = made
             assert kept.numel() >= plan._layout.nbytes
+            helper, on_stream = entered[first]
+            assert helper != threading.get_ident() and on_stream == ("current", stream[0])
         else:
             assert made == []
         if capture:  # the later launches captured on the capture stream
@@ -1421,22 +1428,28 @@ def test_a_plan_replays_its_later_launches_as_graphs_per_stream_thread_and_layer
     graph_a2, _ = graphed(args_of(23, layers[0]), grown)
     assert graph_a2 is not graph_a and plan.graphs == 4
     assert graphed(args_of(24, layers[0]), grown, capture=False) == (graph_a2, grown)
-    # no more shared workspaces than the limit: a new one frees the oldest (stream 104's,
-    # whose graph is then captured again on a new one)
+    # no more shared workspaces than the limit: the ended thread's is freed for a new one;
+    # with every thread alive, a new stream launches every kernel
     monkeypatch.setattr(plans, "_MAX_ARENAS", 3)
     stream[0] = 105
     plain(args_of(25, layers[0]))
     graphed(args_of(26, layers[0]))
-    assert len(plans._ARENAS) == 3 and (3, 104, threading.get_ident()) not in plans._ARENAS
-    stream[0] = 104
-    graph_c2, _ = graphed(args_of(27, layers[0]))
-    assert graph_c2 is not graph_c
+    assert len(plans._ARENAS) == 3 and {k[1] for k in plans._ARENAS} == {103, 104, 105}
+    stream[0] = 106
+    for seed in (27, 28, 29):
+        plain(args_of(seed, layers[0]))
+    assert len(plans._ARENAS) == 3
+    # out of memory for a shared workspace: every launch, and no second try until released
     stream[0] = 103
     plans.release_graph_workspaces()
     out_of_memory[0] = True
-    plain(args_of(28, layers[0]))  # no shared workspace to be had: every launch, this call's workspace
+    plain(args_of(30, layers[0]))
+    plain(args_of(31, layers[0]))
+    assert len(tried) == 1
     out_of_memory[0] = False
-    assert graphed(args_of(29, layers[0]))[0] is not graph_a2  # captured again, on a new shared workspace
+    plain(args_of(32, layers[0]))
+    plans.release_graph_workspaces()
+    assert graphed(args_of(33, layers[0]))[0] is not graph_a2  # captured again, on a new shared workspace
 
 
 def _gemm_args(name, static, seed, scale_dtype=torch.float32):

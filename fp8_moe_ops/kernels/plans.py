@@ -308,8 +308,10 @@ class LaunchPlan:
 
 
 _ARENAS: dict = {}  # (device, stream, thread) -> (the workspace the plans' graphs there use, its generation)
-_MAX_ARENAS = 16  # kept per process (device, stream and thread); the oldest is freed for a new one
+_MAX_ARENAS = 16  # kept per process (device, stream and thread); past that, ended threads' are freed
 _ARENA_STEP = 1 << 20  # bytes an arena's size is a multiple of
+_ARENA_LOCK = threading.Lock()  # held while the arenas are added or freed
+_OUT_OF_MEMORY: set = set()  # keys whose arena could not be allocated (no graphs there until released)
 _GENERATIONS = itertools.count()
 _CAPTURE_STREAMS: dict = {}  # device -> the stream graphs are captured on
 _CAPTURE_LOCK = threading.Lock()  # one capture at a time on a device's capture stream
@@ -319,46 +321,60 @@ def _arena(key: tuple, nbytes: int, device: torch.device) -> tuple[torch.Tensor,
     """The workspace every plan's graphs use on ``key``'s device, stream and thread (calls
     there run one after another), at least ``nbytes`` long, and its generation (a new
     one each time it is replaced by a larger one, at least twice the size, or freed: a
-    graph captured on another generation is captured again); None where the allocation
-    runs out of memory (the call then launches every kernel on a workspace of its own).
-    At most ``_MAX_ARENAS`` are kept: a new one frees the oldest (a thread's that
-    ended, say).  Allocated on the call's stream from another thread: where this
-    thread's allocations go to a private pool (``torch.cuda.use_mem_pool``, or the
-    warm-up of ``torch.compile``'s CUDA graph trees), one that the pool's owner does
-    not know of would be freed under the graphs by its next reset; another thread's
-    allocations come from the caching allocator's own pool."""
+    graph captured on another generation is captured again); None where there is none
+    to be had (the call then launches every kernel on a workspace of its own): the
+    allocation ran out of memory for this key, or ``_MAX_ARENAS`` are kept for threads
+    that are all alive (an ended thread's is freed for a new one).  Allocated on the
+    call's stream from another thread: where this thread's allocations go to a private
+    pool (``torch.cuda.use_mem_pool``, or the warm-up of ``torch.compile``'s CUDA graph
+    trees), one that the pool's owner does not know of would be freed under the graphs
+    by its next reset; another thread's allocations come from the caching allocator's
+    own pool.  A freed arena goes back to its stream, where it is reused only after what
+    is queued there."""
     arena = _ARENAS.get(key)
     if arena is not None and arena[0].numel() >= nbytes:
         return arena
-    size = max(nbytes, 2 * arena[0].numel() if arena is not None else 0)
-    size = -(-size // _ARENA_STEP) * _ARENA_STEP
-    _ARENAS.pop(key, None)  # (a freed arena goes back to its stream: reused only after what is queued there)
-    while len(_ARENAS) >= _MAX_ARENAS:
-        _ARENAS.pop(next(iter(_ARENAS)), None)
-    stream, made = torch.cuda.current_stream(device), []
+    with _ARENA_LOCK:
+        if key in _OUT_OF_MEMORY:
+            return None
+        _ARENAS.pop(key, None)
+        if len(_ARENAS) >= _MAX_ARENAS:
+            alive = {t.ident for t in threading.enumerate()}
+            for ended in [k for k in _ARENAS if k[2] not in alive]:
+                del _ARENAS[ended]
+            if len(_ARENAS) >= _MAX_ARENAS:
+                return None
+        size = max(nbytes, 2 * arena[0].numel() if arena is not None else 0)
+        size = -(-size // _ARENA_STEP) * _ARENA_STEP
+        stream, made = torch.cuda.current_stream(device), []
 
-    def allocate():
-        try:
-            with torch.cuda.stream(stream):
-                made.append(torch.empty(size, dtype=torch.uint8, device=device))
-        except BaseException as e:  # (handled below, in the caller's thread)
-            made.append(e)
+        def allocate():
+            try:
+                with torch.cuda.stream(stream):
+                    made.append(torch.empty(size, dtype=torch.uint8, device=device))
+            except BaseException as e:  # (handled below, in the caller's thread)
+                made.append(e)
 
-    helper = threading.Thread(target=allocate)
-    helper.start()
-    helper.join()
-    if isinstance(made[0], torch.OutOfMemoryError):
-        return None
-    if isinstance(made[0], BaseException):
-        raise made[0]
-    arena = _ARENAS[key] = (made[0], next(_GENERATIONS))
-    return arena
+        helper = threading.Thread(target=allocate)
+        helper.start()
+        helper.join()
+        if isinstance(made[0], torch.OutOfMemoryError):
+            if len(_OUT_OF_MEMORY) >= _MAX_GRAPHS:
+                _OUT_OF_MEMORY.clear()
+            _OUT_OF_MEMORY.add(key)
+            return None
+        if isinstance(made[0], BaseException):
+            raise made[0]
+        arena = _ARENAS[key] = (made[0], next(_GENERATIONS))
+        return arena
 
 
 def release_graph_workspaces() -> None:
     """Frees the workspaces the plans' CUDA graphs use (a later call of a graph
-    captures it again on a new one)."""
-    _ARENAS.clear()
+    captures it again on a new one), and forgets where one could not be allocated."""
+    with _ARENA_LOCK:
+        _ARENAS.clear()
+        _OUT_OF_MEMORY.clear()
 
 
 def _launch(steps: list, stream: int, values: list) -> None:
