@@ -76,11 +76,11 @@ def interleaved(a, b, rounds: int) -> tuple[float, float]:
 def with_graphs(on: bool, fn):
     """``fn`` called with the plans' CUDA graphs on or off."""
     def call():
-        plans.GRAPHS = on
+        before, plans.GRAPHS = plans.GRAPHS, on
         try:
             return fn()
         finally:
-            plans.GRAPHS = True
+            plans.GRAPHS = before
     return call
 
 

@@ -611,7 +611,8 @@ def test_plan_graph_workspace_stays_out_of_a_private_pool(monkeypatch):
     assert segments and not [a for a, n in segments if a <= ws.data_ptr() < a + n]
 
 
-def test_plan_graphs_per_stream_and_thread_and_under_a_callers_capture():
+def test_plan_graphs_per_stream_and_thread_and_under_a_callers_capture(monkeypatch):
+    monkeypatch.setattr(plans, "_ARENAS", {})  # (its own shared workspaces, none of another test's)
     T, E, H, I, k, block, routing = EXPERT_CASES["decode, 32 slots, activation on its own"]
     combo = "bf16 dynamic silu"
     layer = _graph_inputs(T, E, H, I, k, block, routing, combo, 1)

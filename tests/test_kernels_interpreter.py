@@ -1337,6 +1337,7 @@ def test_a_plan_replays_its_later_launches_as_graphs_per_stream_thread_and_layer
     monkeypatch.setattr(plans, "driver", SimpleNamespace(active=SimpleNamespace(
         get_current_device=lambda: 3, get_current_stream=lambda index: stream[0])))
     monkeypatch.setattr(plans, "_ARENAS", {})
+    monkeypatch.setattr(plans, "_OUT_OF_MEMORY", set())
     monkeypatch.setattr(plans, "_CAPTURE_STREAMS", {})
     monkeypatch.setattr(plans, "_ARENA_STEP", 16)
     monkeypatch.setattr(_FakeGraph, "launched", launched)

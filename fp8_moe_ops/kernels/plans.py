@@ -249,7 +249,7 @@ class LaunchPlan:
                 entry(*(tensors[a] if type(a) is _Source else a for a in template))
             return out
         stream = driver.active.get_current_stream(device)
-        graph = key = None  # None: every launch, on a workspace of this call's; else the graph's workspace
+        arena = None  # the workspace the graphs on this stream and thread share, and its generation
         baked = self._baked
         if baked is not None and GRAPHS:
             thread = threading.get_ident()
@@ -261,21 +261,22 @@ class LaunchPlan:
                 self._graphs[key] = None
             elif state is not _FAILED and not torch.cuda.is_current_stream_capturing():
                 arena = _arena((device, stream, thread), self._layout.nbytes, hidden.device)
-                if arena is not None:
-                    ws, generation = arena
-                    # a graph captured on an earlier workspace of this stream and thread is captured again
-                    graph = state[0] if state is not None and state[1] == generation else generation
-        if graph is None:
+        if arena is None:
             ws = torch.empty(self._layout.nbytes, dtype=torch.uint8, device=hidden.device)
+        else:
+            ws = arena[0]
         base = ws.data_ptr()
         values.append(out.data_ptr())
         values += [base + off for off in self._offsets]
         values += self._constants
         values += [d.at(values[d.source]) for d in self._described]
-        if type(graph) is int:  # the generation of the workspace to capture on
-            captured = self._capture(values, device)
-            self._graphs[key] = _FAILED if captured is None else (captured, graph)
-            graph = captured  # None: every launch, on the arena's workspace
+        graph = None
+        if arena is not None:
+            if state is not None and state[1] == arena[1]:
+                graph = state[0]
+            else:  # not captured yet, or on an earlier workspace of this stream and thread
+                graph = self._capture(values, device)
+                self._graphs[key] = _FAILED if graph is None else (graph, arena[1])
         _launch(self._steps if graph is None else self._steps[:1], stream, values)
         if graph is not None:
             graph.replay()
