@@ -447,15 +447,24 @@ def host_us_per_call(fn: Callable[[], Any], calls: int = 100, warmup: int = 20,
 
 def cuda_events(fn: Callable[[], Any], calls: int = 10) -> list:
     """``torch.profiler``'s CUDA events (kernels, memsets, copies) of ``calls`` calls of
-    ``fn`` after one unprofiled call, in the order they started."""
+    ``fn`` after one unprofiled call, in the order they started, with the launch plans'
+    CUDA graphs off (``fp8_moe_ops.kernels.plans.GRAPHS``): the same kernels, each
+    launched on its own.  (With them on, the events of the kernels a plan's graph
+    replays did not sort into one order per call: per-position times mixed kernels.)"""
     from torch.profiler import ProfilerActivity, profile
 
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
+    from fp8_moe_ops.kernels import plans
+
+    before, plans.GRAPHS = plans.GRAPHS, False
+    try:
+        fn()
         torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                fn()
+            torch.cuda.synchronize()
+    finally:
+        plans.GRAPHS = before
     return sorted((ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA),
                   key=lambda ev: ev.time_range.start)
 
