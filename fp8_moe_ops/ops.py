@@ -313,6 +313,24 @@ def _without_autocast(cpu_impl):
     return cpu_kernel
 
 
+def _on_its_device(cuda_impl):
+    """``cuda_impl`` run with its first argument's GPU as the current device.  Triton
+    launches on the current device, and a Python kernel on a Library gets no device guard
+    from the dispatcher (torch's own CUDA kernels set the device from their arguments):
+    without it a call on tensors of another GPU (a model spread over GPUs in one process,
+    ``device_map="auto"``) would launch on the current one, at the other's addresses.
+    (The ops' checks hold every tensor argument to that device.)"""
+
+    def cuda_kernel(*args):
+        index = args[0].get_device()
+        if index != torch.cuda.current_device():
+            with torch.cuda.device(index):
+                return cuda_impl(*args)
+        return cuda_impl(*args)
+
+    return cuda_kernel
+
+
 def _define(name: str, schema: str, cpu_impl, cuda_impl, fake):
     """Defines op ``fp8_moe::<name>`` on :data:`_LIB`: ``cpu_impl`` and ``cuda_impl``
     (called with the op's arguments positionally, trailing defaults possibly left out),
@@ -325,7 +343,7 @@ def _define(name: str, schema: str, cpu_impl, cuda_impl, fake):
     here costs about 3 µs (measured on the CPU machine).  Returns the op's packet."""
     _LIB.define(name + schema)
     op = getattr(torch.ops.fp8_moe, name).default
-    cpu_impl = _without_autocast(cpu_impl)
+    cpu_impl, cuda_impl = _without_autocast(cpu_impl), _on_its_device(cuda_impl)
     tensor_lists = [i for i, a in enumerate(op._schema.arguments) if str(a.type) == "List[Tensor]"]
     backends = {torch._C.DispatchKey.CPU: cpu_impl, torch._C.DispatchKey.CUDA: cuda_impl}
     _KERNELS[name] = {"cpu": cpu_impl, "cuda": cuda_impl}

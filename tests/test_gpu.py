@@ -152,6 +152,26 @@ def test_property_cuda_matches_cpu_reference(case):
         assert rel_err(got, ref) < GPU_REL_BOUND
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("T,static", [(1, False), (1, True), (64, False), (300, True)])
+def test_ops_on_another_gpu_than_the_current_one(T, static):
+    # a model spread over GPUs in one process: the ops run on their tensors' GPU whichever
+    # is current, through their launch plans and plan graphs (four calls), equal to the
+    # same calls on the current GPU bitwise, and leave the current device as it was
+    args = make_experts_inputs(T=T, E=7, H=256, I=192, k=4, block_size=[128, 128], static=static, seed=T)
+    on = {d: {k: v.to(d) if isinstance(v, torch.Tensor) else v for k, v in args.items()} for d in ("cuda:0", "cuda:1")}
+    x, w, ws = on["cuda:1"]["hidden"], on["cuda:1"]["gate_up_proj"][0], on["cuda:1"]["gate_up_scale_inv"][0]
+    torch.cuda.set_device(0)
+    for _ in range(4):
+        want = OPS.grouped_experts(**on["cuda:0"])
+        got = OPS.grouped_experts(**on["cuda:1"])
+        assert got.device == torch.device("cuda:1") and torch.cuda.current_device() == 0
+        assert torch.equal(got.cpu(), want.cpu())
+        lin = OPS.linear(x, w, ws, [128, 128])
+        assert lin.device == torch.device("cuda:1")
+        assert torch.equal(lin.cpu(), OPS.linear(x.to("cuda:0"), w.to("cuda:0"), ws.to("cuda:0"), [128, 128]).cpu())
+
+
 def test_demo_on_cuda():
     # The whole demo: the pass on a dynamic, a static and a ModuleList loop, then
     # AOTInductor (the demo itself reports that step as skipped where AOTInductor

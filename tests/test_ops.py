@@ -426,3 +426,31 @@ def test_experts_op_backward_raises_and_no_grad_output():
         out.sum().backward()
     with torch.no_grad():
         assert not OPS.grouped_experts(**args).requires_grad
+
+
+def test_cuda_kernels_run_with_their_inputs_gpu_current(monkeypatch):
+    # Triton launches on the current device, and the dispatcher sets none for a Python
+    # kernel: each op's CUDA kernel makes its first argument's GPU current where another
+    # one is (a model spread over GPUs in one process), and only there
+    import contextlib
+    from types import SimpleNamespace
+
+    from fp8_moe_ops import ops
+
+    entered, ran = [], []
+
+    @contextlib.contextmanager
+    def device(index):
+        entered.append(index)
+        yield
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device", device)
+    kernel = ops._on_its_device(lambda *args: ran.append((list(entered), args)) or "out")
+    on_0, on_1 = SimpleNamespace(get_device=lambda: 0), SimpleNamespace(get_device=lambda: 1)
+    assert kernel(on_0, 5) == "out" and ran[-1] == ([], (on_0, 5))
+    assert kernel(on_1, 5) == "out" and ran[-1] == ([1], (on_1, 5))
+    assert set(ops._KERNELS) >= {"linear", "grouped_mm", "batched_mm", "grouped_experts", "batched_experts",
+                                 "grouped_experts_list"}
+    for name, kernels in ops._KERNELS.items():
+        assert kernels["cuda"].__qualname__ == kernel.__qualname__, name
