@@ -23,6 +23,9 @@ difference.  Pairs, per layer and T (uniform routing, dynamic scales):
 * ``op: plan graphs / every launch``: ``torch.ops.fp8_moe.grouped_experts`` replaying its
   plan's launches after the first as a CUDA graph (``fp8_moe_ops.kernels.plans.GRAPHS``,
   the default) against launching every kernel (``GRAPHS = False``);
+* ``op: graphs by cuGraphLaunch / replay()``: the op with those graphs launched through
+  the driver's ``cuGraphLaunch`` (``ctypes``; the default where there) against torch's
+  ``CUDAGraph.replay()`` (``plans._DRIVER_LAUNCH = False``);
 * ``linear op / forward``: ``torch.ops.fp8_moe.linear`` on the T rows and the first
   expert's gate_up matrix (what ``FP8Linear`` calls: the dispatcher, then a launch plan
   found through a guard) against ``kernels.linear`` (the forward built and launched on
@@ -84,6 +87,17 @@ def with_graphs(on: bool, fn):
     return call
 
 
+def by_replay(fn):
+    """``fn`` called with the plans' graphs launched by ``CUDAGraph.replay()``."""
+    def call():
+        before, plans._DRIVER_LAUNCH = plans._DRIVER_LAUNCH, False
+        try:
+            return fn()
+        finally:
+            plans._DRIVER_LAUNCH = before
+    return call
+
+
 def pairs(experts, experts_checked, w, x, idx, wts) -> dict:
     args = (x, idx, wts, *w, BLOCK, "silu", None, None, None)
     linear = (x, w[0][0], w[1][0], BLOCK)  # the first expert's gate_up matrix as a dense layer's
@@ -98,6 +112,8 @@ def pairs(experts, experts_checked, w, x, idx, wts) -> dict:
                               lambda: torch.ops.fp8_moe.grouped_experts(*args)),
         "op: plan graphs / every launch": (with_graphs(True, lambda: torch.ops.fp8_moe.grouped_experts(*args)),
                                            with_graphs(False, lambda: torch.ops.fp8_moe.grouped_experts(*args))),
+        "op: graphs by cuGraphLaunch / replay()": (lambda: torch.ops.fp8_moe.grouped_experts(*args),
+                                                   by_replay(lambda: torch.ops.fp8_moe.grouped_experts(*args))),
         "linear op / forward": (lambda: torch.ops.fp8_moe.linear(*linear), lambda: kernels.linear(*linear)),
     }
 

@@ -541,6 +541,7 @@ def test_plan_graphs_replay_new_inputs_and_layers_bitwise(case, combo, monkeypat
     # one per layer (the weights' addresses), captured on the second replay of a layer;
     # every call has new hidden states and routing, and each output stays its own
     monkeypatch.setattr(plans, "_ARENAS", {})  # (their own shared workspace, not another test's)
+    monkeypatch.setattr(plans, "_OUT_OF_MEMORY", {})
     T, E, H, I, k, block, routing = EXPERT_CASES[case]
     layers = [_graph_inputs(T, E, H, I, k, block, routing, combo, seed) for seed in (1, 2)]
     states, outs = {}, []
@@ -566,12 +567,16 @@ def _graph_calls(T, E, H, I, k, combo="bf16 dynamic silu", calls=8):
     return states["sig"], outs
 
 
+@pytest.mark.parametrize("launch", ["cuGraphLaunch", "replay()"])
 @pytest.mark.parametrize("form", ["split K", "Gluon down GEMM"])
-def test_plan_graphs_of_split_k_and_gluon_launches_bitwise(form, monkeypatch):
+def test_plan_graphs_of_split_k_and_gluon_launches_bitwise(form, launch, monkeypatch):
     # the down GEMM's K in two ranges with the fused combine (mixtral_8x7b's T=1 form), and
     # the Gluon down GEMM (TMA descriptors on the graph's workspace: the launch table takes
-    # it at mid sizes from 64 rows per expert, here made to)
+    # it at mid sizes from 64 rows per expert, here made to); the graphs launched through
+    # the driver's cuGraphLaunch (where torch gives their executables) or torch's replay()
     monkeypatch.setattr(plans, "_ARENAS", {})
+    monkeypatch.setattr(plans, "_OUT_OF_MEMORY", {})
+    monkeypatch.setattr(plans, "_DRIVER_LAUNCH", None if launch == "cuGraphLaunch" else False)
     if form == "split K":
         T, E, H, I, k = 2, 16, 384, 256, 4
         monkeypatch.setattr(moe, "gemm_config", with_split_k(moe.gemm_config, 2))
@@ -590,6 +595,8 @@ def test_plan_graphs_of_split_k_and_gluon_launches_bitwise(form, monkeypatch):
     assert (ws_gemm._ws_gemm_kernel in launched) == (form != "split K")
     plan, outs = _graph_calls(T, E, H, I, k)
     assert plan.graphs == 2
+    by_driver = launch == "cuGraphLaunch" and hasattr(torch.cuda.CUDAGraph, "raw_cuda_graph_exec")
+    assert [g[2] is not None for g in plan._graphs.values() if type(g) is tuple] == [by_driver] * 2
     for i, (got, want) in enumerate(outs):
         assert torch.equal(got, want), i
 
@@ -600,6 +607,7 @@ def test_plan_graph_workspace_stays_out_of_a_private_pool(monkeypatch):
     # the caching allocator's own pool: the private pool's owner would free a block it
     # does not know of under the graphs
     monkeypatch.setattr(plans, "_ARENAS", {})
+    monkeypatch.setattr(plans, "_OUT_OF_MEMORY", {})
     pool = torch.cuda.MemPool()
     with torch.cuda.use_mem_pool(pool):
         plan, outs = _graph_calls(*EXPERT_CASES["T=1"][:5])
@@ -613,6 +621,7 @@ def test_plan_graph_workspace_stays_out_of_a_private_pool(monkeypatch):
 
 def test_plan_graphs_per_stream_and_thread_and_under_a_callers_capture(monkeypatch):
     monkeypatch.setattr(plans, "_ARENAS", {})  # (its own shared workspaces, none of another test's)
+    monkeypatch.setattr(plans, "_OUT_OF_MEMORY", {})
     T, E, H, I, k, block, routing = EXPERT_CASES["decode, 32 slots, activation on its own"]
     combo = "bf16 dynamic silu"
     layer = _graph_inputs(T, E, H, I, k, block, routing, combo, 1)
@@ -637,6 +646,15 @@ def test_plan_graphs_per_stream_and_thread_and_under_a_callers_capture(monkeypat
     thread.start()
     thread.join()
     assert states["sig"].graphs == 3
+    urgent = torch.cuda.Stream(priority=-1)  # captured on a capture stream of its priority, made by the driver
+    urgent.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(urgent):
+        results += calls(range(11, 14))
+    torch.cuda.current_stream().wait_stream(urgent)
+    assert states["sig"].graphs == 4
+    device = torch.cuda.current_device()
+    assert {key[1] for key in plans._CAPTURE_STREAMS if key[0] == device} >= {0, urgent.priority} != {0}
+    assert all(isinstance(plans._CAPTURE_STREAMS[(device, p)], torch.cuda.ExternalStream) for p in (0, urgent.priority))
     for i, (got, want) in enumerate(results):
         assert torch.equal(got, want), i
     # captured by the caller on a stream that has a graph: every launch, in the capture
@@ -644,7 +662,7 @@ def test_plan_graphs_per_stream_and_thread_and_under_a_callers_capture(monkeypat
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=side):
         out = kernels.planned_experts(states, "sig", args)
-    assert states["sig"].graphs == 3
+    assert states["sig"].graphs == 4
     for seed in (21, 22):
         fresh = _graph_inputs(T, E, H, I, k, block, routing, combo, seed)
         for dst, src in zip(args[:3], fresh[:3]):

@@ -69,6 +69,7 @@ def test_list_op_plan_graphs_replay_new_routing_bitwise(separate, monkeypatch):
 
     monkeypatch.setattr(moe_list, "_PLANS", {})
     monkeypatch.setattr(plans, "_ARENAS", {})
+    monkeypatch.setattr(plans, "_OUT_OF_MEMORY", {})
     T, E, H, I, k = 8, 8, 256, 128, 2
     a, lists = _stacked_and_lists(T, E, H, I, k, separate)
     outs = []

@@ -1282,11 +1282,30 @@ def test_launches_after_the_first_read_the_calls_tensors_through_the_address_tab
     assert torch.equal(out1, kept)
 
 
+def test_a_plan_whose_later_launches_take_a_calls_own_tensor_gets_no_graphs(monkeypatch):
+    # a graph holds the addresses it was captured with: where a launch after the first
+    # takes a fed source (hidden here) or the output itself and does not read them
+    # through the address table (ADDRS), the plan launches every kernel on every call
+    args = _positional(*_experts_args("sentinels", torch.bfloat16, torch.float32, False, seed=1))
+    sources = experts._stacked_sources(args)
+    _, env, layout, calls = experts._stacked(args, sources)
+    plan, _ = record_with_fake_launchers(monkeypatch, sources, env, layout, calls, fed=experts.FED)
+    assert plan._baked is not None
+    assert not calls[1].constexprs["ADDRS"] and calls[-1].constexprs["ADDRS"]  # (the down GEMM's combine)
+    for name in ("hidden", "out"):
+        later = calls[1]._replace(args=(env[name], *calls[1].args[1:]))
+        plan, _ = record_with_fake_launchers(monkeypatch, sources, env, layout, [calls[0], later, *calls[2:]],
+                                             fed=experts.FED)
+        assert plan is not None and plan._baked is None, name
+
+
 class _FakeGraph:
     """A stand-in for ``torch.cuda.CUDAGraph`` over a list of fake launches: it holds the
-    launches appended while it captures, and a replay appends ("graph", itself)."""
+    launches appended while it captures, and a replay appends ("graph", itself,
+    "replay"); its executable's handle is its id (``executables``)."""
 
     launched: list = []
+    executables: dict = {}
 
     def capture_begin(self, capture_error_mode):
         assert capture_error_mode == "thread_local"
@@ -1296,10 +1315,15 @@ class _FakeGraph:
         self.launches = self.launched[self._start:]
 
     def replay(self):
-        self.launched.append(("graph", self))
+        self.launched.append(("graph", self, "replay"))
+
+    def raw_cuda_graph_exec(self):
+        self.executables[id(self)] = self
+        return id(self)
 
 
-def test_a_plan_replays_its_later_launches_as_graphs_per_stream_thread_and_layer(monkeypatch):
+@pytest.mark.parametrize("driver", [False, True], ids=["replay", "cuGraphLaunch"])
+def test_a_plan_replays_its_later_launches_as_graphs_per_stream_thread_and_layer(monkeypatch, driver):
     # LaunchPlan's CUDA graphs with fake launchers and a fake graph: the first replay of
     # a layer (its weights' addresses) on a stream and thread launches every kernel on a
     # workspace of its own; the second captures the later launches on the workspace all
@@ -1310,7 +1334,10 @@ def test_a_plan_replays_its_later_launches_as_graphs_per_stream_thread_and_layer
     # old one are captured again, as after all are released; past the limit an ended
     # thread's is freed for a new one; while the stream is being captured, past the limit
     # with every thread alive, or where the workspace could not be allocated, every kernel
-    # is launched as without graphs
+    # is launched as without graphs.  Graphs are launched through the driver's
+    # cuGraphLaunch on the call's stream (a fake here) where it is there, else replayed by
+    # torch; a driver error raises.  They are captured on a stream of the call's priority,
+    # made by the driver where it is there (else taken from torch's pool), one per priority
     import contextlib
     import threading
     from types import SimpleNamespace
@@ -1333,20 +1360,52 @@ def test_a_plan_replays_its_later_launches_as_graphs_per_stream_thread_and_layer
     plan = recorded["plan"]
     assert recorded["larger"]._layout.nbytes > plan._layout.nbytes
     launched.clear()
-    stream, capturing = [103], [False]
+    stream, capturing, priority = [103], [False], [0]
     monkeypatch.setattr(plans, "driver", SimpleNamespace(active=SimpleNamespace(
         get_current_device=lambda: 3, get_current_stream=lambda index: stream[0])))
     monkeypatch.setattr(plans, "_ARENAS", {})
-    monkeypatch.setattr(plans, "_OUT_OF_MEMORY", set())
+    monkeypatch.setattr(plans, "_OUT_OF_MEMORY", {})
     monkeypatch.setattr(plans, "_CAPTURE_STREAMS", {})
     monkeypatch.setattr(plans, "_ARENA_STEP", 16)
     monkeypatch.setattr(_FakeGraph, "launched", launched)
+    monkeypatch.setattr(_FakeGraph, "executables", {})
+    driver_error = [0]
+
+    def cu_graph_launch(executable, on_stream):
+        launched.append(("graph", _FakeGraph.executables[executable], on_stream))
+        return driver_error[0]
+
+    monkeypatch.setattr(plans, "_DRIVER_LAUNCH", cu_graph_launch if driver else False)
     monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeGraph)
-    monkeypatch.setattr(torch.cuda, "Stream", lambda device: SimpleNamespace(cuda_stream=999))
+    made_streams = []  # (how, device, priority) of each capture stream made
+
+    def pool_stream(device, priority):
+        made_streams.append(("pool", device, priority))
+        return SimpleNamespace(cuda_stream=999 + priority)
+
+    def create_stream(handle, flags, priority):  # cuStreamCreateWithPriority
+        assert flags.value == 1  # non-blocking
+        handle._obj.value = 999 + priority.value
+        return 0
+
+    def external_stream(handle, device):
+        made_streams.append(("driver", device.index, handle - 999))
+        return SimpleNamespace(cuda_stream=handle)
+
+    monkeypatch.setattr(plans, "_LIBCUDA", [SimpleNamespace(cuStreamCreateWithPriority=create_stream) if driver
+                                            else None])
+    monkeypatch.setattr(torch.cuda, "Stream", pool_stream)
+    monkeypatch.setattr(torch.cuda, "ExternalStream", external_stream)
+
+    class Current(tuple):  # ("current", the stream), and its priority
+        @property
+        def priority(self):
+            return priority[0]
+
     entered = []  # (thread, stream) of each torch.cuda.stream context
     monkeypatch.setattr(torch.cuda, "stream", lambda s: entered.append((threading.get_ident(), s)) or
                         contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: ("current", stream[0]))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: Current(("current", stream[0])))
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
     empty, out_of_memory, tried = torch.empty, [False], []
 
@@ -1376,7 +1435,7 @@ def test_a_plan_replays_its_later_launches_as_graphs_per_stream_thread_and_layer
         assert len(made) == 1 and {on(launch, made[0]) for launch in got} == {(stream[0], True)}
         return got
 
-    def graphed(args, kept=None, capture=True, plan=plan):  # the first launch, then the graph
+    def graphed(args, kept=None, capture=True, plan=plan, side=999):  # the first launch, then the graph
         first = len(entered)
         got, made = replay(args, plan)
         if kept is None:  # a shared workspace allocated now, on the call's stream by another thread
@@ -1389,8 +1448,9 @@ def test_a_plan_replays_its_later_launches_as_graphs_per_stream_thread_and_layer
         if capture:  # the later launches captured on the capture stream
             n = len(plan._steps) - 1
             captured, got = got[:n], got[n:]
-            assert [on(launch, kept) for launch in captured] == [(999, True)] * n
-        assert len(got) == 2 and got[1][0] == "graph" and on(got[0], kept) == (stream[0], True)
+            assert [on(launch, kept) for launch in captured] == [(side, True)] * n
+        assert len(got) == 2 and got[1][::2] == ("graph", stream[0] if driver else "replay")
+        assert on(got[0], kept) == (stream[0], True)
         assert args[0].data_ptr() in got[0] and args[1].data_ptr() in got[0]  # the call's hidden and ids
         return got[1][1], kept
 
@@ -1450,7 +1510,27 @@ def test_a_plan_replays_its_later_launches_as_graphs_per_stream_thread_and_layer
     out_of_memory[0] = False
     plain(args_of(32, layers[0]))
     plans.release_graph_workspaces()
-    assert graphed(args_of(33, layers[0]))[0] is not graph_a2  # captured again, on a new shared workspace
+    graph_e, kept_e = graphed(args_of(33, layers[0]))
+    assert graph_e is not graph_a2  # captured again, on a new shared workspace
+    # a stream of a higher priority: captured on a capture stream of that priority
+    stream[0], priority[0] = 107, -1
+    plain(args_of(39, layers[0]))
+    graphed(args_of(40, layers[0]), side=998)
+    assert made_streams == [("driver" if driver else "pool", 3, 0), ("driver" if driver else "pool", 3, -1)]
+    stream[0], priority[0] = 103, 0
+    # out of memory growing it: the larger plan launches every kernel (and does not try
+    # again), the workspace it would have replaced stays for the graphs on it
+    out_of_memory[0] = True
+    plain(args_of(34, layers[0], larger), plan=recorded["larger"])
+    plain(args_of(35, layers[0], larger), plan=recorded["larger"])
+    plain(args_of(36, layers[0], larger), plan=recorded["larger"])
+    assert len(tried) == 2
+    assert graphed(args_of(37, layers[0]), kept_e, capture=False) == (graph_e, kept_e)
+    out_of_memory[0] = False
+    if driver:  # a failed cuGraphLaunch raises, naming it
+        driver_error[0] = 400
+        with pytest.raises(RuntimeError, match="cuGraphLaunch .* CUDA driver error 400"):
+            replay(args_of(38, layers[0]))
 
 
 def _gemm_args(name, static, seed, scale_dtype=torch.float32):

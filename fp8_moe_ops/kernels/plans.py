@@ -24,7 +24,8 @@ host).  Where the forward's first launch is the only one that reads the call's o
 tensors (the ``fed`` sources and the output: it writes their addresses to the
 workspace's ``addresses`` buffer, and the later launches read them from there:
 :mod:`.experts`), a plan replays its later launches as a graph captured once: per call,
-one launch and the graph's.  A graph holds every other address it was captured with:
+one launch and the graph's (through the driver's ``cuGraphLaunch``: :data:`_DRIVER_LAUNCH`).
+A graph holds every other address it was captured with:
 the other sources' (the weights), so a plan keeps a graph per CUDA stream, thread and
 those addresses, captured on the second call that brings them (a first one runs as any
 replay); and its workspace's, which is one allocation that every plan's graphs share per
@@ -41,6 +42,7 @@ Users: :mod:`.experts` (the experts ops, :class:`~.experts.StackedPlans`), :mod:
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import itertools
 import math
@@ -165,7 +167,7 @@ class LaunchPlan:
         self._described, self._out, self._baked = described, out, baked
         self._offsets = [off for *_, off in layout.buffers]
         # (stream, thread, baked addresses) -> None once seen, then (its graph, the generation
-        # of the workspace it uses: _arena), or _FAILED
+        # of the workspace it uses: _arena, its executable's handle or None), or _FAILED
         self._graphs: dict = {}
 
     @classmethod
@@ -224,7 +226,15 @@ class LaunchPlan:
             steps.append((*how, entry.grid, _picker(picks)))  # launcher, head, packed (launch.Direct), ...
         baked = None
         if fed and "addresses" in buffers and len(steps) > 1:
-            baked = [i for i, name in enumerate(names) if name not in fed]
+            # a later launch that takes a fed source or the output must read it through the
+            # addresses (``ADDRS`` set): a graph holds the addresses it was captured with;
+            # else no graphs
+            handed = {i for i, name in enumerate(names) if name in fed} | {len(names)}
+            taken = {int(a) if type(a) is _Source else a.source
+                     for call, template in zip(calls[1:], templates[1:]) if not call.constexprs.get("ADDRS")
+                     for a in template if type(a) in (_Source, _Described)}
+            if not handed & taken:
+                baked = [i for i, name in enumerate(names) if name not in fed]
         return cls(steps, layout, device, constants, described, out, baked)
 
     def run(self, inputs: list, hidden: torch.Tensor, aligned: bool = False) -> torch.Tensor | None:
@@ -276,10 +286,16 @@ class LaunchPlan:
                 graph = state[0]
             else:  # not captured yet, or on an earlier workspace of this stream and thread
                 graph = self._capture(values, device)
-                self._graphs[key] = _FAILED if graph is None else (graph, arena[1])
+                state = self._graphs[key] = _FAILED if graph is None else (graph, arena[1], _executable(graph))
         _launch(self._steps if graph is None else self._steps[:1], stream, values)
         if graph is not None:
-            graph.replay()
+            launch = _DRIVER_LAUNCH
+            if launch and state[2] is not None:
+                error = launch(state[2], stream)
+                if error:
+                    raise RuntimeError(f"cuGraphLaunch of a launch plan's CUDA graph failed: CUDA driver error {error}")
+            else:
+                graph.replay()
         return out
 
     @property
@@ -289,13 +305,11 @@ class LaunchPlan:
 
     def _capture(self, values: list, device: int) -> torch.cuda.CUDAGraph | None:
         """The launches after the first on ``values``, captured as a CUDA graph on this
-        device's capture stream (capture cannot use the legacy default stream), one
-        capture at a time; None where capture fails."""
+        device's capture stream of the current stream's priority (:func:`_capture_stream`),
+        one capture at a time; None where capture fails."""
         graph = torch.cuda.CUDAGraph()
         with _CAPTURE_LOCK:
-            side = _CAPTURE_STREAMS.get(device)
-            if side is None:
-                side = _CAPTURE_STREAMS[device] = torch.cuda.Stream(device)
+            side = _capture_stream(device, torch.cuda.current_stream(device).priority)
             try:
                 with torch.cuda.stream(side):
                     graph.capture_begin(capture_error_mode="thread_local")
@@ -308,14 +322,73 @@ class LaunchPlan:
         return graph
 
 
+# The driver's cuGraphLaunch (ctypes): a plan's graph launched through it takes about 1 µs
+# of CPU less than through CUDAGraph.replay() (1.8 against 2.6-2.9 µs on an H100's host,
+# bench/host_parts.py); None until a first capture looks for it, False where the driver
+# or torch's CUDAGraph.raw_cuda_graph_exec is missing (graphs then replay through torch).
+_DRIVER_LAUNCH = None
+_LIBCUDA: list = []  # [the driver library (ctypes), or None where it cannot be loaded], once looked for
+
+
+def _libcuda():
+    """The CUDA driver library through ``ctypes``, or None."""
+    if not _LIBCUDA:
+        try:
+            _LIBCUDA.append(ctypes.CDLL("libcuda.so.1"))
+        except OSError:
+            _LIBCUDA.append(None)
+    return _LIBCUDA[0]
+
+
+def _executable(graph: torch.cuda.CUDAGraph) -> int | None:
+    """The handle of ``graph``'s executable (instantiated at its capture's end) where
+    :data:`_DRIVER_LAUNCH` can launch it, else None."""
+    global _DRIVER_LAUNCH
+    if _DRIVER_LAUNCH is None:
+        launch = False
+        cuda = _libcuda()
+        if cuda is not None and hasattr(torch.cuda.CUDAGraph, "raw_cuda_graph_exec"):
+            launch = getattr(cuda, "cuGraphLaunch", False)
+            if launch:
+                launch.argtypes, launch.restype = [ctypes.c_void_p, ctypes.c_void_p], ctypes.c_int
+        _DRIVER_LAUNCH = launch
+    if not _DRIVER_LAUNCH:
+        return None
+    try:
+        return graph.raw_cuda_graph_exec()
+    except RuntimeError:  # (none instantiated: torch's replay() instantiates it)
+        return None
+
+
 _ARENAS: dict = {}  # (device, stream, thread) -> (the workspace the plans' graphs there use, its generation)
 _MAX_ARENAS = 16  # kept per process (device, stream and thread); past that, ended threads' are freed
 _ARENA_STEP = 1 << 20  # bytes an arena's size is a multiple of
 _ARENA_LOCK = threading.Lock()  # held while the arenas are added or freed
-_OUT_OF_MEMORY: set = set()  # keys whose arena could not be allocated (no graphs there until released)
+_OUT_OF_MEMORY: dict = {}  # key -> the least arena size whose allocation failed there (none as large until released)
 _GENERATIONS = itertools.count()
-_CAPTURE_STREAMS: dict = {}  # device -> the stream graphs are captured on
-_CAPTURE_LOCK = threading.Lock()  # one capture at a time on a device's capture stream
+_CAPTURE_STREAMS: dict = {}  # (device, priority) -> the stream graphs are captured on
+_CAPTURE_LOCK = threading.Lock()  # one capture at a time on a device's capture streams
+
+
+def _capture_stream(device: int, priority: int):
+    """The stream the plans' graphs of ``priority`` are captured on, on ``device`` (made on
+    first use, under :data:`_CAPTURE_LOCK`; capture cannot use the legacy default stream).
+    Made through the driver (``cuStreamCreateWithPriority``, non-blocking), not taken from
+    torch's stream pool, whose 32 streams per priority other code of the process may be
+    using at the same time: work it queued on ours while a capture ran would land in the
+    graph.  Torch's pool is the fallback where the driver cannot be reached.  Of the
+    caller's priority, as the graph's kernels keep the priority of the stream they were
+    captured on (torch instantiates graphs to run their nodes at their own priorities)."""
+    side = _CAPTURE_STREAMS.get((device, priority))
+    if side is None:
+        cuda, handle = _libcuda(), ctypes.c_void_p()
+        create = getattr(cuda, "cuStreamCreateWithPriority", None)
+        if create is not None and create(ctypes.byref(handle), ctypes.c_uint(1), ctypes.c_int(priority)) == 0:
+            side = torch.cuda.ExternalStream(handle.value, device=torch.device("cuda", device))
+        else:
+            side = torch.cuda.Stream(device, priority=priority)
+        _CAPTURE_STREAMS[(device, priority)] = side
+    return side
 
 
 def _arena(key: tuple, nbytes: int, device: torch.device) -> tuple[torch.Tensor, int] | None:
@@ -323,8 +396,9 @@ def _arena(key: tuple, nbytes: int, device: torch.device) -> tuple[torch.Tensor,
     there run one after another), at least ``nbytes`` long, and its generation (a new
     one each time it is replaced by a larger one, at least twice the size, or freed: a
     graph captured on another generation is captured again); None where there is none
-    to be had (the call then launches every kernel on a workspace of its own): the
-    allocation ran out of memory for this key, or ``_MAX_ARENAS`` are kept for threads
+    to be had (the call then launches every kernel on a workspace of its own): an
+    allocation for as many bytes ran out of memory for this key (the arena it would
+    have replaced stays, for the plans it holds), or ``_MAX_ARENAS`` are kept for threads
     that are all alive (an ended thread's is freed for a new one).  Allocated on the
     call's stream from another thread: where this thread's allocations go to a private
     pool (``torch.cuda.use_mem_pool``, or the warm-up of ``torch.compile``'s CUDA graph
@@ -336,17 +410,19 @@ def _arena(key: tuple, nbytes: int, device: torch.device) -> tuple[torch.Tensor,
     if arena is not None and arena[0].numel() >= nbytes:
         return arena
     with _ARENA_LOCK:
-        if key in _OUT_OF_MEMORY:
-            return None
-        _ARENAS.pop(key, None)
-        if len(_ARENAS) >= _MAX_ARENAS:
+        arena = _ARENAS.get(key)  # (another thread may have ended, and its arenas been freed)
+        if arena is None and len(_ARENAS) >= _MAX_ARENAS:
             alive = {t.ident for t in threading.enumerate()}
             for ended in [k for k in _ARENAS if k[2] not in alive]:
                 del _ARENAS[ended]
+            for ended in [k for k in _OUT_OF_MEMORY if k[2] not in alive]:
+                del _OUT_OF_MEMORY[ended]
             if len(_ARENAS) >= _MAX_ARENAS:
                 return None
-        size = max(nbytes, 2 * arena[0].numel() if arena is not None else 0)
-        size = -(-size // _ARENA_STEP) * _ARENA_STEP
+        least = -(-nbytes // _ARENA_STEP) * _ARENA_STEP
+        if least >= _OUT_OF_MEMORY.get(key, least + 1):
+            return None
+        size = max(least, 2 * arena[0].numel() if arena is not None else 0)
         stream, made = torch.cuda.current_stream(device), []
 
         def allocate():
@@ -357,15 +433,19 @@ def _arena(key: tuple, nbytes: int, device: torch.device) -> tuple[torch.Tensor,
                 made.append(e)
 
         helper = threading.Thread(target=allocate)
-        helper.start()
+        try:
+            helper.start()
+        except RuntimeError:  # no thread to be had (a thread limit, the interpreter's shutdown)
+            return None
         helper.join()
         if isinstance(made[0], torch.OutOfMemoryError):
             if len(_OUT_OF_MEMORY) >= _MAX_GRAPHS:
                 _OUT_OF_MEMORY.clear()
-            _OUT_OF_MEMORY.add(key)
+            _OUT_OF_MEMORY[key] = min(least, _OUT_OF_MEMORY.get(key, least))
             return None
         if isinstance(made[0], BaseException):
             raise made[0]
+        _OUT_OF_MEMORY.pop(key, None)
         arena = _ARENAS[key] = (made[0], next(_GENERATIONS))
         return arena
 
