@@ -323,7 +323,7 @@ def _on_its_device(cuda_impl):
 
     def cuda_kernel(*args):
         index = args[0].get_device()
-        if index != torch.cuda.current_device():
+        if index != torch._C._cuda_getDevice():  # (torch.cuda.current_device() without its lazy-init check)
             with torch.cuda.device(index):
                 return cuda_impl(*args)
         return cuda_impl(*args)

@@ -156,13 +156,16 @@ def test_property_cuda_matches_cpu_reference(case):
 @pytest.mark.parametrize("T,static", [(1, False), (1, True), (64, False), (300, True)])
 def test_ops_on_another_gpu_than_the_current_one(T, static):
     # a model spread over GPUs in one process: the ops run on their tensors' GPU whichever
-    # is current, through their launch plans and plan graphs (four calls), equal to the
-    # same calls on the current GPU bitwise, and leave the current device as it was
+    # is current, through their launch plans and (up to 512 slots) plan graphs captured on
+    # that GPU (six calls), equal to the same calls on the current GPU bitwise, and leave
+    # the current device as it was
+    from fp8_moe_ops.kernels import plans
+
     args = make_experts_inputs(T=T, E=7, H=256, I=192, k=4, block_size=[128, 128], static=static, seed=T)
     on = {d: {k: v.to(d) if isinstance(v, torch.Tensor) else v for k, v in args.items()} for d in ("cuda:0", "cuda:1")}
     x, w, ws = on["cuda:1"]["hidden"], on["cuda:1"]["gate_up_proj"][0], on["cuda:1"]["gate_up_scale_inv"][0]
     torch.cuda.set_device(0)
-    for _ in range(4):
+    for _ in range(6):
         want = OPS.grouped_experts(**on["cuda:0"])
         got = OPS.grouped_experts(**on["cuda:1"])
         assert got.device == torch.device("cuda:1") and torch.cuda.current_device() == 0
@@ -170,6 +173,9 @@ def test_ops_on_another_gpu_than_the_current_one(T, static):
         lin = OPS.linear(x, w, ws, [128, 128])
         assert lin.device == torch.device("cuda:1")
         assert torch.equal(lin.cpu(), OPS.linear(x.to("cuda:0"), w.to("cuda:0"), ws.to("cuda:0"), [128, 128]).cpu())
+    if T * 4 <= 512:  # graphs captured on the second GPU's own capture stream, on a workspace there
+        assert isinstance(plans._CAPTURE_STREAMS.get((1, 0)), torch.cuda.ExternalStream)
+        assert any(key[0] == 1 for key in plans._ARENAS)
 
 
 def test_demo_on_cuda():

@@ -1337,7 +1337,8 @@ def test_a_plan_replays_its_later_launches_as_graphs_per_stream_thread_and_layer
     # is launched as without graphs.  Graphs are launched through the driver's
     # cuGraphLaunch on the call's stream (a fake here) where it is there, else replayed by
     # torch; a driver error raises.  They are captured on a stream of the call's priority,
-    # made by the driver where it is there (else taken from torch's pool), one per priority
+    # made by the driver in the device's context where it is there (one per priority),
+    # else taken from torch's pool
     import contextlib
     import threading
     from types import SimpleNamespace
@@ -1388,12 +1389,18 @@ def test_a_plan_replays_its_later_launches_as_graphs_per_stream_thread_and_layer
         handle._obj.value = 999 + priority.value
         return 0
 
+    context = [3]  # the device of the thread's current context
+
+    def context_device(device):  # cuCtxGetDevice
+        device._obj.value = context[0]
+        return 0
+
     def external_stream(handle, device):
         made_streams.append(("driver", device.index, handle - 999))
         return SimpleNamespace(cuda_stream=handle)
 
-    monkeypatch.setattr(plans, "_LIBCUDA", [SimpleNamespace(cuStreamCreateWithPriority=create_stream) if driver
-                                            else None])
+    monkeypatch.setattr(plans, "_LIBCUDA", [SimpleNamespace(cuStreamCreateWithPriority=create_stream,
+                                                            cuCtxGetDevice=context_device) if driver else None])
     monkeypatch.setattr(torch.cuda, "Stream", pool_stream)
     monkeypatch.setattr(torch.cuda, "ExternalStream", external_stream)
 
@@ -1407,15 +1414,15 @@ def test_a_plan_replays_its_later_launches_as_graphs_per_stream_thread_and_layer
                         contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device: Current(("current", stream[0])))
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
-    empty, out_of_memory, tried = torch.empty, [False], []
+    empty, limit, tried = torch.empty, [None], []  # (the most bytes a shared workspace can have; sizes refused)
 
     def replay(args, plan=plan):
         """(the launches, the workspaces allocated, on any thread)"""
         before, made, caller = len(launched), [], threading.get_ident()
 
         def allocate(*a, **kw):
-            if out_of_memory[0] and threading.get_ident() != caller:
-                tried.append(a)
+            if limit[0] is not None and threading.get_ident() != caller and a[0] > limit[0]:
+                tried.append(a[0])
                 raise torch.OutOfMemoryError("no memory for a shared workspace")
             made.append(empty(*a, **kw))
             return made[-1]
@@ -1503,11 +1510,11 @@ def test_a_plan_replays_its_later_launches_as_graphs_per_stream_thread_and_layer
     # out of memory for a shared workspace: every launch, and no second try until released
     stream[0] = 103
     plans.release_graph_workspaces()
-    out_of_memory[0] = True
+    limit[0] = 0
     plain(args_of(30, layers[0]))
     plain(args_of(31, layers[0]))
     assert len(tried) == 1
-    out_of_memory[0] = False
+    limit[0] = None
     plain(args_of(32, layers[0]))
     plans.release_graph_workspaces()
     graph_e, kept_e = graphed(args_of(33, layers[0]))
@@ -1516,17 +1523,39 @@ def test_a_plan_replays_its_later_launches_as_graphs_per_stream_thread_and_layer
     stream[0], priority[0] = 107, -1
     plain(args_of(39, layers[0]))
     graphed(args_of(40, layers[0]), side=998)
-    assert made_streams == [("driver" if driver else "pool", 3, 0), ("driver" if driver else "pool", 3, -1)]
-    stream[0], priority[0] = 103, 0
+    how = "driver" if driver else "pool"
+    assert made_streams[0] == (how, 3, 0) and made_streams[-1] == (how, 3, -1)
+    assert set(made_streams) == {(how, 3, 0), (how, 3, -1)}
+    assert (len(made_streams) == 2) == driver  # the driver's kept; torch's pool asked per capture
+    # the thread's context another device's: a stream of torch's pool, the driver asked again next time
+    context[0], stream[0], priority[0] = 2, 108, -2
+    plain(args_of(41, layers[0]))
+    graphed(args_of(42, layers[0]), side=997)
+    assert made_streams[-1] == ("pool", 3, -2) and (3, -2) not in plans._CAPTURE_STREAMS
+    context[0], stream[0], priority[0] = 3, 103, 0
+    # growing it where twice its size cannot be had: the size the larger plan needs
+    monkeypatch.setattr(plans, "_MAX_ARENAS", 16)
+    monkeypatch.setattr(plans, "_ARENA_STEP", 9000)
+    least = -(-recorded["larger"]._layout.nbytes // 9000) * 9000
+    for seed, on_stream in ((43, 109), (46, 110)):
+        stream[0] = on_stream
+        plain(args_of(seed, layers[0]))
+        graph_f, kept_f = graphed(args_of(seed + 1, layers[0]))
+        assert 2 * kept_f.numel() > least  # (the test's premise)
+        plain(args_of(seed + 2, layers[0], larger), plan=recorded["larger"])
+    del tried[:]
+    stream[0], limit[0] = 109, least
+    _, grown = graphed(args_of(49, layers[0], larger), plan=recorded["larger"])
+    assert tried == [2 * kept_f.numel()] and grown.numel() == least
     # out of memory growing it: the larger plan launches every kernel (and does not try
     # again), the workspace it would have replaced stays for the graphs on it
-    out_of_memory[0] = True
-    plain(args_of(34, layers[0], larger), plan=recorded["larger"])
-    plain(args_of(35, layers[0], larger), plan=recorded["larger"])
-    plain(args_of(36, layers[0], larger), plan=recorded["larger"])
-    assert len(tried) == 2
-    assert graphed(args_of(37, layers[0]), kept_e, capture=False) == (graph_e, kept_e)
-    out_of_memory[0] = False
+    stream[0], limit[0] = 110, 0
+    del tried[:]
+    for seed in (50, 51):
+        plain(args_of(seed, layers[0], larger), plan=recorded["larger"])
+    assert tried == [2 * kept_f.numel(), least]
+    assert graphed(args_of(52, layers[0]), kept_f, capture=False) == (graph_f, kept_f)
+    stream[0], limit[0] = 103, None
     if driver:  # a failed cuGraphLaunch raises, naming it
         driver_error[0] = 400
         with pytest.raises(RuntimeError, match="cuGraphLaunch .* CUDA driver error 400"):

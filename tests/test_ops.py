@@ -444,7 +444,7 @@ def test_cuda_kernels_run_with_their_inputs_gpu_current(monkeypatch):
         entered.append(index)
         yield
 
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)  # (CUDA builds only)
     monkeypatch.setattr(torch.cuda, "device", device)
     kernel = ops._on_its_device(lambda *args: ran.append((list(entered), args)) or "out")
     on_0, on_1 = SimpleNamespace(get_device=lambda: 0), SimpleNamespace(get_device=lambda: 1)

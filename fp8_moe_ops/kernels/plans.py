@@ -289,11 +289,11 @@ class LaunchPlan:
                 state = self._graphs[key] = _FAILED if graph is None else (graph, arena[1], _executable(graph))
         _launch(self._steps if graph is None else self._steps[:1], stream, values)
         if graph is not None:
-            launch = _DRIVER_LAUNCH
+            launch = _DRIVER_LAUNCH if _DRIVER_LAUNCH is not None else _driver_launch()
             if launch and state[2] is not None:
                 error = launch(state[2], stream)
                 if error:
-                    raise RuntimeError(f"cuGraphLaunch of a launch plan's CUDA graph failed: CUDA driver error {error}")
+                    raise RuntimeError(f"cuGraphLaunch of a launch plan's CUDA graph failed: {_error_name(error)}")
             else:
                 graph.replay()
         return out
@@ -322,10 +322,10 @@ class LaunchPlan:
         return graph
 
 
-# The driver's cuGraphLaunch (ctypes): a plan's graph launched through it takes about 1 µs
-# of CPU less than through CUDAGraph.replay() (1.8 against 2.6-2.9 µs on an H100's host,
-# bench/host_parts.py); None until a first capture looks for it, False where the driver
-# or torch's CUDAGraph.raw_cuda_graph_exec is missing (graphs then replay through torch).
+# The driver's cuGraphLaunch (ctypes): a call whose graph is launched through it takes 2-4 µs
+# of CPU less than through CUDAGraph.replay() (an H100's host, bench/host_ab.py); None until
+# looked up, False where the driver cannot be loaded (graphs then replay through torch, as
+# those whose executable torch does not give).  Benchmarks set it to False to compare.
 _DRIVER_LAUNCH = None
 _LIBCUDA: list = []  # [the driver library (ctypes), or None where it cannot be loaded], once looked for
 
@@ -340,24 +340,33 @@ def _libcuda():
     return _LIBCUDA[0]
 
 
-def _executable(graph: torch.cuda.CUDAGraph) -> int | None:
-    """The handle of ``graph``'s executable (instantiated at its capture's end) where
-    :data:`_DRIVER_LAUNCH` can launch it, else None."""
+def _driver_launch():
+    """The driver's ``cuGraphLaunch`` (looked up once into :data:`_DRIVER_LAUNCH`), or False."""
     global _DRIVER_LAUNCH
     if _DRIVER_LAUNCH is None:
-        launch = False
-        cuda = _libcuda()
-        if cuda is not None and hasattr(torch.cuda.CUDAGraph, "raw_cuda_graph_exec"):
-            launch = getattr(cuda, "cuGraphLaunch", False)
-            if launch:
-                launch.argtypes, launch.restype = [ctypes.c_void_p, ctypes.c_void_p], ctypes.c_int
+        launch = getattr(_libcuda(), "cuGraphLaunch", False)
+        if launch:
+            launch.argtypes, launch.restype = [ctypes.c_void_p, ctypes.c_void_p], ctypes.c_int
         _DRIVER_LAUNCH = launch
-    if not _DRIVER_LAUNCH:
-        return None
+    return _DRIVER_LAUNCH
+
+
+def _executable(graph: torch.cuda.CUDAGraph) -> int | None:
+    """The handle of ``graph``'s executable (instantiated at its capture's end), or None
+    where torch does not give it (before 2.9)."""
     try:
         return graph.raw_cuda_graph_exec()
-    except RuntimeError:  # (none instantiated: torch's replay() instantiates it)
+    except (AttributeError, RuntimeError):
         return None
+
+
+def _error_name(error: int) -> str:
+    """A CUDA driver error code with its name (``cuGetErrorName``) where the driver gives it."""
+    name = ctypes.c_char_p()
+    get = getattr(_libcuda(), "cuGetErrorName", None)
+    if get is not None and get(ctypes.c_int(error), ctypes.byref(name)) == 0 and name.value:
+        return f"CUDA driver error {error} ({name.value.decode()})"
+    return f"CUDA driver error {error}"
 
 
 _ARENAS: dict = {}  # (device, stream, thread) -> (the workspace the plans' graphs there use, its generation)
@@ -376,26 +385,29 @@ def _capture_stream(device: int, priority: int):
     Made through the driver (``cuStreamCreateWithPriority``, non-blocking), not taken from
     torch's stream pool, whose 32 streams per priority other code of the process may be
     using at the same time: work it queued on ours while a capture ran would land in the
-    graph.  Torch's pool is the fallback where the driver cannot be reached.  Of the
+    graph.  Torch's pool is the fallback where the driver cannot be reached or the
+    thread's current context is not the device's (not kept: a later capture tries again).  Of the
     caller's priority, as the graph's kernels keep the priority of the stream they were
     captured on (torch instantiates graphs to run their nodes at their own priorities)."""
     side = _CAPTURE_STREAMS.get((device, priority))
     if side is None:
-        cuda, handle = _libcuda(), ctypes.c_void_p()
-        create = getattr(cuda, "cuStreamCreateWithPriority", None)
-        if create is not None and create(ctypes.byref(handle), ctypes.c_uint(1), ctypes.c_int(priority)) == 0:
-            side = torch.cuda.ExternalStream(handle.value, device=torch.device("cuda", device))
+        cuda, handle, current = _libcuda(), ctypes.c_void_p(), ctypes.c_int(-1)
+        flags, level = ctypes.c_uint(1), ctypes.c_int(priority)  # non-blocking
+        # (made in the thread's current context: only where that is the device's)
+        if cuda is not None and cuda.cuCtxGetDevice(ctypes.byref(current)) == 0 and current.value == device \
+                and cuda.cuStreamCreateWithPriority(ctypes.byref(handle), flags, level) == 0:
+            side = _CAPTURE_STREAMS[(device, priority)] = torch.cuda.ExternalStream(
+                handle.value, device=torch.device("cuda", device))
         else:
             side = torch.cuda.Stream(device, priority=priority)
-        _CAPTURE_STREAMS[(device, priority)] = side
     return side
 
 
 def _arena(key: tuple, nbytes: int, device: torch.device) -> tuple[torch.Tensor, int] | None:
     """The workspace every plan's graphs use on ``key``'s device, stream and thread (calls
     there run one after another), at least ``nbytes`` long, and its generation (a new
-    one each time it is replaced by a larger one, at least twice the size, or freed: a
-    graph captured on another generation is captured again); None where there is none
+    one each time it is replaced by a larger one, twice the size where that can be had,
+    or freed: a graph captured on another generation is captured again); None where there is none
     to be had (the call then launches every kernel on a workspace of its own): an
     allocation for as many bytes ran out of memory for this key (the arena it would
     have replaced stays, for the plans it holds), or ``_MAX_ARENAS`` are kept for threads
@@ -422,13 +434,19 @@ def _arena(key: tuple, nbytes: int, device: torch.device) -> tuple[torch.Tensor,
         least = -(-nbytes // _ARENA_STEP) * _ARENA_STEP
         if least >= _OUT_OF_MEMORY.get(key, least + 1):
             return None
-        size = max(least, 2 * arena[0].numel() if arena is not None else 0)
+        sizes = dict.fromkeys((max(least, 2 * arena[0].numel() if arena is not None else 0), least))
         stream, made = torch.cuda.current_stream(device), []
 
-        def allocate():
+        def allocate():  # the first size that can be had (doubled, else what the plan needs)
             try:
                 with torch.cuda.stream(stream):
-                    made.append(torch.empty(size, dtype=torch.uint8, device=device))
+                    for size in sizes:
+                        try:
+                            made.append(torch.empty(size, dtype=torch.uint8, device=device))
+                            return
+                        except torch.OutOfMemoryError as e:
+                            error = e
+                    made.append(error)
             except BaseException as e:  # (handled below, in the caller's thread)
                 made.append(e)
 
