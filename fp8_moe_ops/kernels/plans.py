@@ -422,7 +422,7 @@ def _arena(key: tuple, nbytes: int, device: torch.device) -> tuple[torch.Tensor,
     if arena is not None and arena[0].numel() >= nbytes:
         return arena
     with _ARENA_LOCK:
-        arena = _ARENAS.get(key)  # (another thread may have ended, and its arenas been freed)
+        arena = _ARENAS.get(key)  # (another thread may have released them all meanwhile)
         if arena is None and len(_ARENAS) >= _MAX_ARENAS:
             alive = {t.ident for t in threading.enumerate()}
             for ended in [k for k in _ARENAS if k[2] not in alive]:
