@@ -445,6 +445,22 @@ def host_us_per_call(fn: Callable[[], Any], calls: int = 100, warmup: int = 20,
     return statistics.median(cpu), statistics.median(wall)
 
 
+def with_plan_setting(name: str, value, fn: Callable[[], Any]) -> Callable[[], Any]:
+    """``fn`` as a call made with ``fp8_moe_ops.kernels.plans.<name>`` set to ``value``
+    (``GRAPHS``; ``_DRIVER_LAUNCH``, False: graphs replayed by torch) and restored after."""
+    from fp8_moe_ops.kernels import plans
+
+    def call():
+        before = getattr(plans, name)
+        setattr(plans, name, value)
+        try:
+            return fn()
+        finally:
+            setattr(plans, name, before)
+
+    return call
+
+
 def cuda_events(fn: Callable[[], Any], calls: int = 10) -> list:
     """``torch.profiler``'s CUDA events (kernels, memsets, copies) of ``calls`` calls of
     ``fn`` after one unprofiled call, in the order they started, with the launch plans'
@@ -453,19 +469,17 @@ def cuda_events(fn: Callable[[], Any], calls: int = 10) -> list:
     replays did not sort into one order per call: per-position times mixed kernels.)"""
     from torch.profiler import ProfilerActivity, profile
 
-    from fp8_moe_ops.kernels import plans
-
-    before, plans.GRAPHS = plans.GRAPHS, False
-    try:
+    def profiled():
         fn()
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(calls):
                 fn()
             torch.cuda.synchronize()
-    finally:
-        plans.GRAPHS = before
-    return sorted((ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA),
+        return prof.events()
+
+    events = with_plan_setting("GRAPHS", False, profiled)()
+    return sorted((ev for ev in events if ev.device_type == torch.autograd.DeviceType.CUDA),
                   key=lambda ev: ev.time_range.start)
 
 

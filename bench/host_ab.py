@@ -25,7 +25,9 @@ difference.  Pairs, per layer and T (uniform routing, dynamic scales):
   the default) against launching every kernel (``GRAPHS = False``);
 * ``op: graphs by cuGraphLaunch / replay()``: the op with those graphs launched through
   the driver's ``cuGraphLaunch`` (``ctypes``; the default where there) against torch's
-  ``CUDAGraph.replay()`` (``plans._DRIVER_LAUNCH = False``);
+  ``CUDAGraph.replay()`` (``plans._DRIVER_LAUNCH = False``).  In these two pairs both
+  ways set their setting around each call (``common.with_plan_setting``), so neither
+  pays for that alone;
 * ``linear op / forward``: ``torch.ops.fp8_moe.linear`` on the T rows and the first
   expert's gate_up matrix (what ``FP8Linear`` calls: the dispatcher, then a launch plan
   found through a guard) against ``kernels.linear`` (the forward built and launched on
@@ -44,7 +46,7 @@ import time
 import torch
 
 from common import (BLOCK, MODELS, ExperimentConfig, Runner, experts_module, layer_inputs, layer_weights,
-                    markdown_table, parse_sweep)
+                    markdown_table, parse_sweep, with_plan_setting)
 from fp8_moe_ops import kernels, ops
 from fp8_moe_ops.kernels import plans
 
@@ -76,44 +78,21 @@ def interleaved(a, b, rounds: int) -> tuple[float, float]:
     return statistics.median(times[a]), statistics.median(times[b])
 
 
-def with_graphs(on: bool, fn):
-    """``fn`` called with the plans' CUDA graphs on or off."""
-    def call():
-        before, plans.GRAPHS = plans.GRAPHS, on
-        try:
-            return fn()
-        finally:
-            plans.GRAPHS = before
-    return call
-
-
-def by_replay(fn):
-    """``fn`` called with the plans' graphs launched by ``CUDAGraph.replay()``."""
-    def call():
-        before, plans._DRIVER_LAUNCH = plans._DRIVER_LAUNCH, False
-        try:
-            return fn()
-        finally:
-            plans._DRIVER_LAUNCH = before
-    return call
-
-
 def pairs(experts, experts_checked, w, x, idx, wts) -> dict:
     args = (x, idx, wts, *w, BLOCK, "silu", None, None, None)
     linear = (x, w[0][0], w[1][0], BLOCK)  # the first expert's gate_up matrix as a dense layer's
     guarded, keyed = kernels.StackedPlans(ops.check_experts), KeyedPlans(ops.check_experts)
     states = {}
+    op = lambda: torch.ops.fp8_moe.grouped_experts(*args)  # noqa: E731
     return {
         "stacked op: guarded / keyed": (lambda: guarded(args), lambda: keyed(args)),
         "FP8Experts: checks guarded / every call": (lambda: experts(x, idx, wts), lambda: experts_checked(x, idx, wts)),
-        "op / launch plan": (lambda: torch.ops.fp8_moe.grouped_experts(*args),
-                             lambda: kernels.planned_experts(states, "sig", args)),
-        "call_experts / op": (lambda: ops.call_experts("grouped_experts", args),
-                              lambda: torch.ops.fp8_moe.grouped_experts(*args)),
-        "op: plan graphs / every launch": (with_graphs(True, lambda: torch.ops.fp8_moe.grouped_experts(*args)),
-                                           with_graphs(False, lambda: torch.ops.fp8_moe.grouped_experts(*args))),
-        "op: graphs by cuGraphLaunch / replay()": (lambda: torch.ops.fp8_moe.grouped_experts(*args),
-                                                   by_replay(lambda: torch.ops.fp8_moe.grouped_experts(*args))),
+        "op / launch plan": (op, lambda: kernels.planned_experts(states, "sig", args)),
+        "call_experts / op": (lambda: ops.call_experts("grouped_experts", args), op),
+        "op: plan graphs / every launch": (with_plan_setting("GRAPHS", True, op),
+                                           with_plan_setting("GRAPHS", False, op)),
+        "op: graphs by cuGraphLaunch / replay()": (with_plan_setting("_DRIVER_LAUNCH", plans._driver_launch(), op),
+                                                   with_plan_setting("_DRIVER_LAUNCH", False, op)),
         "linear op / forward": (lambda: torch.ops.fp8_moe.linear(*linear), lambda: kernels.linear(*linear)),
     }
 

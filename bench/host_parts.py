@@ -110,23 +110,23 @@ def parts(model_name: str) -> dict:
 
 
 def _driver_calls(graphs: dict, stream: int) -> dict:
-    """``cuGraphLaunch`` of each graph's executable and one ``cuStreamWriteValue64``, through
-    ``ctypes`` (empty where the driver or torch lacks them)."""
+    """``cuGraphLaunch`` of each graph's executable (as the launch plans make it) and one
+    ``cuStreamWriteValue64``, through ``ctypes`` (empty where the driver lacks them)."""
     import ctypes
 
-    try:
-        cuda = ctypes.CDLL("libcuda.so.1")
-        graph_launch, write = cuda.cuGraphLaunch, cuda.cuStreamWriteValue64_v2
-    except (OSError, AttributeError):
+    from fp8_moe_ops.kernels import plans as launch_plans
+
+    graph_launch = launch_plans._driver_launch()
+    write = getattr(launch_plans._libcuda(), "cuStreamWriteValue64_v2", None)
+    if not graph_launch or write is None:
         return {}
-    graph_launch.argtypes, graph_launch.restype = [ctypes.c_void_p, ctypes.c_void_p], ctypes.c_int
     write.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint]
     write.restype = ctypes.c_int
     cell = torch.zeros(1, dtype=torch.int64, device="cuda")
     calls = {"cuStreamWriteValue64": lambda: write(stream, cell.data_ptr(), 7, 0)}
     for n, graph in graphs.items():
-        if hasattr(graph, "raw_cuda_graph_exec"):
-            exe = graph.raw_cuda_graph_exec()
+        exe = launch_plans._executable(graph)
+        if exe is not None:
             calls[f"cuGraphLaunch, {n} kernels"] = lambda exe=exe: graph_launch(exe, stream)
     for name, fn in calls.items():
         if fn() != 0:
