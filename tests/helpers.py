@@ -72,6 +72,15 @@ def record_with_fake_launchers(monkeypatch, names, env, layout, calls, device: i
     return plans.LaunchPlan.record(list(names), env, layout, calls, fed), launched
 
 
+def fresh_graph_workspaces(monkeypatch) -> None:
+    """For one test: no shared workspace of the plans' CUDA graphs and no out-of-memory mark
+    left by another test (``fp8_moe_ops.kernels.plans``' process-wide state)."""
+    from fp8_moe_ops.kernels import plans
+
+    monkeypatch.setattr(plans, "_ARENAS", {})
+    monkeypatch.setattr(plans, "_OUT_OF_MEMORY", {})
+
+
 def replay_keeping_workspace(monkeypatch, plan, inputs: list, hidden: torch.Tensor):
     """``plan.run(inputs, hidden)``: (its output, the workspace it allocated)."""
     made, empty = [], torch.empty

@@ -42,8 +42,8 @@ from fp8_moe_ops.kernels.experts import ARG_NAMES
 from fp8_moe_ops.kernels.plans import LaunchPlan
 
 from helpers import (EXPERTS_BOUND, GEMM_BOUND, LARGE_WEIGHTS, MODELS, division_cases, division_matches,
-                     fma_cases, make_expert_weights, make_experts_inputs, make_routing, poison_free_memory,
-                     random_fp8_weights, rel_err, row_experts, run_elementwise, static_scale_cases, static_slot_ids,
+                     fma_cases, fresh_graph_workspaces, make_expert_weights, make_experts_inputs, make_routing,
+                     poison_free_memory, random_fp8_weights, rel_err, row_experts, run_elementwise, static_scale_cases, static_slot_ids,
                      uneven_offsets, with_split_k)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -540,8 +540,7 @@ def test_plan_graphs_replay_new_inputs_and_layers_bitwise(case, combo, monkeypat
     # up to FED_SLOTS slots a plan replays its launches after the first as a CUDA graph,
     # one per layer (the weights' addresses), captured on the second replay of a layer;
     # every call has new hidden states and routing, and each output stays its own
-    monkeypatch.setattr(plans, "_ARENAS", {})  # (their own shared workspace, not another test's)
-    monkeypatch.setattr(plans, "_OUT_OF_MEMORY", {})
+    fresh_graph_workspaces(monkeypatch)
     T, E, H, I, k, block, routing = EXPERT_CASES[case]
     layers = [_graph_inputs(T, E, H, I, k, block, routing, combo, seed) for seed in (1, 2)]
     states, outs = {}, []
@@ -574,8 +573,7 @@ def test_plan_graphs_of_split_k_and_gluon_launches_bitwise(form, launch, monkeyp
     # the Gluon down GEMM (TMA descriptors on the graph's workspace: the launch table takes
     # it at mid sizes from 64 rows per expert, here made to); the graphs launched through
     # the driver's cuGraphLaunch (where torch gives their executables) or torch's replay()
-    monkeypatch.setattr(plans, "_ARENAS", {})
-    monkeypatch.setattr(plans, "_OUT_OF_MEMORY", {})
+    fresh_graph_workspaces(monkeypatch)
     monkeypatch.setattr(plans, "_DRIVER_LAUNCH", None if launch == "cuGraphLaunch" else False)
     if form == "split K":
         T, E, H, I, k = 2, 16, 384, 256, 4
@@ -607,8 +605,7 @@ def test_plan_graph_workspace_stays_out_of_a_private_pool(monkeypatch):
     # torch.compile's CUDA graph trees warm up), the workspace the graphs share comes from
     # the caching allocator's own pool: the private pool's owner would free a block it
     # does not know of under the graphs
-    monkeypatch.setattr(plans, "_ARENAS", {})
-    monkeypatch.setattr(plans, "_OUT_OF_MEMORY", {})
+    fresh_graph_workspaces(monkeypatch)
     pool = torch.cuda.MemPool()
     with torch.cuda.use_mem_pool(pool):
         plan, outs = _graph_calls(*EXPERT_CASES["T=1"][:5])
@@ -621,8 +618,7 @@ def test_plan_graph_workspace_stays_out_of_a_private_pool(monkeypatch):
 
 
 def test_plan_graphs_per_stream_and_thread_and_under_a_callers_capture(monkeypatch):
-    monkeypatch.setattr(plans, "_ARENAS", {})  # (its own shared workspaces, none of another test's)
-    monkeypatch.setattr(plans, "_OUT_OF_MEMORY", {})
+    fresh_graph_workspaces(monkeypatch)
     T, E, H, I, k, block, routing = EXPERT_CASES["decode, 32 slots, activation on its own"]
     combo = "bf16 dynamic silu"
     layer = _graph_inputs(T, E, H, I, k, block, routing, combo, 1)

@@ -13,7 +13,7 @@ import fp8_moe_ops
 import fp8_moe_ops.passes
 from fp8_moe_ops import FP8Linear
 
-from helpers import as_expert_lists, make_experts_inputs
+from helpers import as_expert_lists, fresh_graph_workspaces, make_experts_inputs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 OPS = torch.ops.fp8_moe
@@ -65,11 +65,10 @@ def test_list_op_plan_graphs_replay_new_routing_bitwise(separate, monkeypatch):
     # (one per address table): every call with new hidden states and routing equals the
     # stacked forward, and each output stays its own
     from fp8_moe_ops import kernels
-    from fp8_moe_ops.kernels import moe_list, plans
+    from fp8_moe_ops.kernels import moe_list
 
     monkeypatch.setattr(moe_list, "_PLANS", {})
-    monkeypatch.setattr(plans, "_ARENAS", {})
-    monkeypatch.setattr(plans, "_OUT_OF_MEMORY", {})
+    fresh_graph_workspaces(monkeypatch)
     T, E, H, I, k = 8, 8, 256, 128, 2
     a, lists = _stacked_and_lists(T, E, H, I, k, separate)
     outs = []

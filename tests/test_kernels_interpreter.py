@@ -32,8 +32,8 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from helpers import (FAKE_HEAD, division_cases, division_matches, fma_cases, make_expert_weights, make_routing,
-                     record_with_fake_launchers, rel_err, replay_keeping_workspace, row_experts, run_elementwise,
+from helpers import (FAKE_HEAD, division_cases, division_matches, fma_cases, fresh_graph_workspaces,
+                     make_expert_weights, make_routing, record_with_fake_launchers, rel_err, replay_keeping_workspace, row_experts, run_elementwise,
                      static_scale_cases, static_slot_ids, with_split_k)
 
 INTERPRETED = isinstance(tl.cdiv, InterpretedFunction)
@@ -1364,8 +1364,7 @@ def test_a_plan_replays_its_later_launches_as_graphs_per_stream_thread_and_layer
     stream, capturing, priority = [103], [False], [0]
     monkeypatch.setattr(plans, "driver", SimpleNamespace(active=SimpleNamespace(
         get_current_device=lambda: 3, get_current_stream=lambda index: stream[0])))
-    monkeypatch.setattr(plans, "_ARENAS", {})
-    monkeypatch.setattr(plans, "_OUT_OF_MEMORY", {})
+    fresh_graph_workspaces(monkeypatch)
     monkeypatch.setattr(plans, "_CAPTURE_STREAMS", {})
     monkeypatch.setattr(plans, "_ARENA_STEP", 16)
     monkeypatch.setattr(_FakeGraph, "launched", launched)
