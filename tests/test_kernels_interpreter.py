@@ -1306,12 +1306,16 @@ class _FakeGraph:
 
     launched: list = []
     executables: dict = {}
+    failures: list = [0]  # how many captures from now on fail
 
     def capture_begin(self, capture_error_mode):
         assert capture_error_mode == "thread_local"
         self._start = len(self.launched)
 
     def capture_end(self):
+        if self.failures[0] > 0:
+            self.failures[0] -= 1
+            raise RuntimeError("the capture failed")
         self.launches = self.launched[self._start:]
 
     def replay(self):
@@ -1331,10 +1335,11 @@ def test_a_plan_replays_its_later_launches_as_graphs_per_stream_thread_and_layer
     # and it and every later one launch the first kernel on the call's tensors, then the
     # graph; another stream, thread or layer gets its own graph; a larger plan's graph
     # replaces the shared workspace (allocated on the call's stream), and the graphs on the
-    # old one are captured again, as after all are released; past the limit an ended
-    # thread's is freed for a new one; while the stream is being captured, past the limit
-    # with every thread alive, or where the workspace could not be allocated, every kernel
-    # is launched as without graphs.  Graphs are launched through the driver's
+    # old one are captured again, as after all are released; a new stream's frees an ended
+    # thread's; while the stream is being captured, past the limit with every thread
+    # alive, or where the workspace could not be allocated, every kernel is launched as
+    # without graphs; after a failed capture too, for a wait that doubles with each
+    # failure before it is tried again.  Graphs are launched through the driver's
     # cuGraphLaunch on the call's stream (a fake here) where it is there, else replayed by
     # torch; a driver error raises.  They are captured on a stream of the call's priority,
     # made by the driver in the device's context where it is there (one per priority),
@@ -1369,6 +1374,7 @@ def test_a_plan_replays_its_later_launches_as_graphs_per_stream_thread_and_layer
     monkeypatch.setattr(plans, "_ARENA_STEP", 16)
     monkeypatch.setattr(_FakeGraph, "launched", launched)
     monkeypatch.setattr(_FakeGraph, "executables", {})
+    monkeypatch.setattr(_FakeGraph, "failures", [0])
     driver_error = [0]
 
     def cu_graph_launch(executable, on_stream):
@@ -1495,13 +1501,13 @@ def test_a_plan_replays_its_later_launches_as_graphs_per_stream_thread_and_layer
     graph_a2, _ = graphed(args_of(23, layers[0]), grown)
     assert graph_a2 is not graph_a and plan.graphs == 4
     assert graphed(args_of(24, layers[0]), grown, capture=False) == (graph_a2, grown)
-    # no more shared workspaces than the limit: the ended thread's is freed for a new one;
+    # a new stream's shared workspace: the ended thread's is freed first; past the limit,
     # with every thread alive, a new stream launches every kernel
-    monkeypatch.setattr(plans, "_MAX_ARENAS", 3)
     stream[0] = 105
     plain(args_of(25, layers[0]))
     graphed(args_of(26, layers[0]))
     assert len(plans._ARENAS) == 3 and {k[1] for k in plans._ARENAS} == {103, 104, 105}
+    monkeypatch.setattr(plans, "_MAX_ARENAS", 3)
     stream[0] = 106
     for seed in (27, 28, 29):
         plain(args_of(seed, layers[0]))
@@ -1554,7 +1560,48 @@ def test_a_plan_replays_its_later_launches_as_graphs_per_stream_thread_and_layer
         plain(args_of(seed, layers[0], larger), plan=recorded["larger"])
     assert tried == [2 * kept_f.numel(), least]
     assert graphed(args_of(52, layers[0]), kept_f, capture=False) == (graph_f, kept_f)
-    stream[0], limit[0] = 103, None
+    # a failed capture: that call launches every kernel (on the shared workspace, allocated
+    # for the capture), the next 7 on a workspace of their own, the 8th tries again; after a
+    # second failure 16 calls, then captured
+    stream[0], limit[0] = 111, None
+    plain(args_of(53, layers[0]))
+    _FakeGraph.failures[0] = 2
+    n, seed = len(plan._steps) - 1, 54
+    for wait in (8, 16):
+        got, made = replay(args_of(seed, layers[0]))
+        assert len(made) == (1 if wait == 8 else 0)
+        shared = plans._ARENAS[(3, 111, threading.get_ident())][0]
+        assert [on(launch, shared) for launch in got] == [(999, True)] * n + [(111, True)] * (n + 1)
+        for seed in range(seed + 1, seed + wait):
+            plain(args_of(seed, layers[0]))
+        seed += 1
+    assert _FakeGraph.failures[0] == 0
+    graph_g, _ = graphed(args_of(seed, layers[0]), shared)
+    assert graphed(args_of(seed + 1, layers[0]), shared, capture=False) == (graph_g, shared)
+    # a thread that Python did not start (``_thread``) counts as alive: a new stream's
+    # workspace does not free its one
+    import _thread
+    captured, resume, foreign = threading.Event(), threading.Event(), []
+
+    def not_pythons():
+        try:
+            foreign.append(threading.get_ident())
+            plain(args_of(80, layers[0]))
+            graphed(args_of(81, layers[0]))
+        except BaseException as e:  # (re-raised below)
+            errors.append(e)
+        captured.set()
+        resume.wait()
+
+    stream[0] = 112
+    _thread.start_new_thread(not_pythons, ())
+    captured.wait()
+    stream[0] = 113
+    plain(args_of(82, layers[0]))
+    graphed(args_of(83, layers[0]))
+    resume.set()
+    assert errors == [] and (3, 112, foreign[0]) in plans._ARENAS and (3, 113, threading.get_ident()) in plans._ARENAS
+    stream[0] = 103
     if driver:  # a failed cuGraphLaunch raises, naming it
         driver_error[0] = 400
         with pytest.raises(RuntimeError, match="cuGraphLaunch .* CUDA driver error 400"):

@@ -167,7 +167,8 @@ class LaunchPlan:
         self._described, self._out, self._baked = described, out, baked
         self._offsets = [off for *_, off in layout.buffers]
         # (stream, thread, baked addresses) -> None once seen, then (its graph, the generation
-        # of the workspace it uses: _arena, its executable's handle or None), or _FAILED
+        # of the workspace it uses: _arena, its executable's handle or None), or after a
+        # failed capture [calls left before it is tried again, the wait it began with]
         self._graphs: dict = {}
 
     @classmethod
@@ -269,8 +270,11 @@ class LaunchPlan:
                 if len(self._graphs) >= _MAX_GRAPHS:
                     self._graphs.clear()  # (a graph still running is freed when it completes)
                 self._graphs[key] = None
-            elif state is not _FAILED and not torch.cuda.is_current_stream_capturing():
-                arena = _arena((device, stream, thread), self._layout.nbytes, hidden.device)
+            elif not torch.cuda.is_current_stream_capturing():
+                if type(state) is list:  # its capture failed: tried again after a wait
+                    state[0] -= 1
+                if type(state) is not list or state[0] <= 0:
+                    arena = _arena((device, stream, thread), self._layout.nbytes, hidden.device)
         if arena is None:
             ws = torch.empty(self._layout.nbytes, dtype=torch.uint8, device=hidden.device)
         else:
@@ -282,11 +286,15 @@ class LaunchPlan:
         values += [d.at(values[d.source]) for d in self._described]
         graph = None
         if arena is not None:
-            if state is not None and state[1] == arena[1]:
+            if type(state) is tuple and state[1] == arena[1]:
                 graph = state[0]
-            else:  # not captured yet, or on an earlier workspace of this stream and thread
+            else:  # not captured yet, on an earlier workspace of this stream and thread, or failed
                 graph = self._capture(values, device)
-                state = self._graphs[key] = _FAILED if graph is None else (graph, arena[1], _executable(graph))
+                if graph is not None:
+                    state = self._graphs[key] = (graph, arena[1], _executable(graph))
+                else:  # every launch, the capture tried again after a wait twice the last one's
+                    wait = min(2 * state[1], _MAX_RETRY_WAIT) if type(state) is list else _FIRST_RETRY_WAIT
+                    self._graphs[key] = [wait, wait]
         _launch(self._steps if graph is None else self._steps[:1], stream, values)
         if graph is not None:
             launch = _DRIVER_LAUNCH if _DRIVER_LAUNCH is not None else _driver_launch()
@@ -370,7 +378,7 @@ def _error_name(error: int) -> str:
 
 
 _ARENAS: dict = {}  # (device, stream, thread) -> (the workspace the plans' graphs there use, its generation)
-_MAX_ARENAS = 16  # kept per process (device, stream and thread); past that, ended threads' are freed
+_MAX_ARENAS = 16  # kept per process (device, stream and thread), for threads alive when the last was made
 _ARENA_STEP = 1 << 20  # bytes an arena's size is a multiple of
 _ARENA_LOCK = threading.Lock()  # held while the arenas are added or freed
 _OUT_OF_MEMORY: dict = {}  # key -> the least arena size whose allocation failed there (none as large until released)
@@ -411,7 +419,8 @@ def _arena(key: tuple, nbytes: int, device: torch.device) -> tuple[torch.Tensor,
     to be had (the call then launches every kernel on a workspace of its own): an
     allocation for as many bytes ran out of memory for this key (the arena it would
     have replaced stays, for the plans it holds), or ``_MAX_ARENAS`` are kept for threads
-    that are all alive (an ended thread's is freed for a new one).  Allocated on the
+    that are all alive (ended threads' arenas are freed whenever a new stream or thread
+    asks for one).  Allocated on the
     call's stream from another thread: where this thread's allocations go to a private
     pool (``torch.cuda.use_mem_pool``, or the warm-up of ``torch.compile``'s CUDA graph
     trees), one that the pool's owner does not know of would be freed under the graphs
@@ -423,7 +432,10 @@ def _arena(key: tuple, nbytes: int, device: torch.device) -> tuple[torch.Tensor,
         return arena
     with _ARENA_LOCK:
         arena = _ARENAS.get(key)  # (another thread may have released them all meanwhile)
-        if arena is None and len(_ARENAS) >= _MAX_ARENAS:
+        if arena is None:  # a new stream or thread: ended threads' arenas are freed first
+            # (a thread that Python did not start is listed, as a dummy counted alive, once it
+            # has asked for its current thread)
+            threading.current_thread()
             alive = {t.ident for t in threading.enumerate()}
             for ended in [k for k in _ARENAS if k[2] not in alive]:
                 del _ARENAS[ended]
@@ -497,7 +509,8 @@ def _picker(positions: list):
 _MAX_PLANS = 4096  # signatures per table; cleared when full (a model has a handful)
 _MAX_GRAPHS = 1024  # graphs (and addresses seen once) per plan; cleared when full (a model has one per layer)
 _UNSEEN = object()
-_FAILED = object()  # a key whose graph could not be captured: every launch from then on
+_FIRST_RETRY_WAIT = 8  # calls after a key's failed capture that launch every kernel before it is tried again
+_MAX_RETRY_WAIT = 1024  # the most calls between two tries (the wait doubles after each failure)
 
 
 def planned(states: dict, key, sources: dict, hidden: torch.Tensor, forward, fed: tuple = ()) -> torch.Tensor:
