@@ -1338,8 +1338,8 @@ def test_a_plan_replays_its_later_launches_as_graphs_per_stream_thread_and_layer
     # old one are captured again, as after all are released; a new stream's frees an ended
     # thread's; while the stream is being captured, past the limit with every thread
     # alive, or where the workspace could not be allocated, every kernel is launched as
-    # without graphs; after a failed capture too, for a wait that doubles with each
-    # failure before it is tried again.  Graphs are launched through the driver's
+    # without graphs; after a failed capture too, for a wait that grows eightfold with
+    # each failure, and for good after the fourth.  Graphs are launched through the driver's
     # cuGraphLaunch on the call's stream (a fake here) where it is there, else replayed by
     # torch; a driver error raises.  They are captured on a stream of the call's priority,
     # made by the driver in the device's context where it is there (one per priority),
@@ -1561,23 +1561,35 @@ def test_a_plan_replays_its_later_launches_as_graphs_per_stream_thread_and_layer
     assert tried == [2 * kept_f.numel(), least]
     assert graphed(args_of(52, layers[0]), kept_f, capture=False) == (graph_f, kept_f)
     # a failed capture: that call launches every kernel (on the shared workspace, allocated
-    # for the capture), the next 7 on a workspace of their own, the 8th tries again; after a
-    # second failure 16 calls, then captured
+    # for the capture), the next 7 on a workspace of their own, the 8th tries again (here
+    # captured); a key whose captures keep failing tries again on the 64th call after the
+    # second failure, the 512th after the third, and never after the fourth
+    n = len(plan._steps) - 1
+
+    def failed(args, first):
+        got, made = replay(args)
+        assert len(made) == first  # (the shared workspace, allocated for the first try)
+        shared = plans._ARENAS[(3, stream[0], threading.get_ident())][0]
+        assert [on(launch, shared) for launch in got] == [(999, True)] * n + [(stream[0], True)] * (n + 1)
+        return shared
+
     stream[0], limit[0] = 111, None
     plain(args_of(53, layers[0]))
-    _FakeGraph.failures[0] = 2
-    n, seed = len(plan._steps) - 1, 54
-    for wait in (8, 16):
-        got, made = replay(args_of(seed, layers[0]))
-        assert len(made) == (1 if wait == 8 else 0)
-        shared = plans._ARENAS[(3, 111, threading.get_ident())][0]
-        assert [on(launch, shared) for launch in got] == [(999, True)] * n + [(111, True)] * (n + 1)
-        for seed in range(seed + 1, seed + wait):
-            plain(args_of(seed, layers[0]))
-        seed += 1
-    assert _FakeGraph.failures[0] == 0
-    graph_g, _ = graphed(args_of(seed, layers[0]), shared)
-    assert graphed(args_of(seed + 1, layers[0]), shared, capture=False) == (graph_g, shared)
+    _FakeGraph.failures[0] = 1
+    shared = failed(args_of(54, layers[0]), 1)
+    args = args_of(55, layers[0])
+    for _ in range(7):
+        plain(args)
+    graph_g, _ = graphed(args_of(56, layers[0]), shared)
+    assert graphed(args_of(57, layers[0]), shared, capture=False) == (graph_g, shared)
+    stream[0] = 114
+    plain(args)
+    _FakeGraph.failures[0] = 4
+    for tries, wait in enumerate((8, 64, 512, 1000)):
+        failed(args, tries == 0)
+        for _ in range(wait - 1):
+            plain(args)
+    assert _FakeGraph.failures[0] == 0 and plans._FAILED in plan._graphs.values()
     # a thread that Python did not start (``_thread``) counts as alive: a new stream's
     # workspace does not free its one
     import _thread

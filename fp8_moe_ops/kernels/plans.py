@@ -168,7 +168,8 @@ class LaunchPlan:
         self._offsets = [off for *_, off in layout.buffers]
         # (stream, thread, baked addresses) -> None once seen, then (its graph, the generation
         # of the workspace it uses: _arena, its executable's handle or None), or after a
-        # failed capture [calls left before it is tried again, the wait it began with]
+        # failed capture [calls left before it is tried again, the wait it began with], or
+        # _FAILED after its last try
         self._graphs: dict = {}
 
     @classmethod
@@ -271,9 +272,12 @@ class LaunchPlan:
                     self._graphs.clear()  # (a graph still running is freed when it completes)
                 self._graphs[key] = None
             elif not torch.cuda.is_current_stream_capturing():
-                if type(state) is list:  # its capture failed: tried again after a wait
+                kind = type(state)  # (read below where arena is set)
+                if kind is list:  # its capture failed: tried again after a wait
                     state[0] -= 1
-                if type(state) is not list or state[0] <= 0:
+                    if state[0] <= 0:
+                        arena = _arena((device, stream, thread), self._layout.nbytes, hidden.device)
+                elif state is not _FAILED:
                     arena = _arena((device, stream, thread), self._layout.nbytes, hidden.device)
         if arena is None:
             ws = torch.empty(self._layout.nbytes, dtype=torch.uint8, device=hidden.device)
@@ -286,15 +290,15 @@ class LaunchPlan:
         values += [d.at(values[d.source]) for d in self._described]
         graph = None
         if arena is not None:
-            if type(state) is tuple and state[1] == arena[1]:
+            if kind is tuple and state[1] == arena[1]:
                 graph = state[0]
             else:  # not captured yet, on an earlier workspace of this stream and thread, or failed
                 graph = self._capture(values, device)
                 if graph is not None:
                     state = self._graphs[key] = (graph, arena[1], _executable(graph))
-                else:  # every launch, the capture tried again after a wait twice the last one's
-                    wait = min(2 * state[1], _MAX_RETRY_WAIT) if type(state) is list else _FIRST_RETRY_WAIT
-                    self._graphs[key] = [wait, wait]
+                else:  # every launch; the capture tried again after a longer wait, up to a last try
+                    wait = _RETRY_WAIT_GROWTH * state[1] if kind is list else _FIRST_RETRY_WAIT
+                    self._graphs[key] = [wait, wait] if wait <= _LAST_RETRY_WAIT else _FAILED
         _launch(self._steps if graph is None else self._steps[:1], stream, values)
         if graph is not None:
             launch = _DRIVER_LAUNCH if _DRIVER_LAUNCH is not None else _driver_launch()
@@ -432,10 +436,13 @@ def _arena(key: tuple, nbytes: int, device: torch.device) -> tuple[torch.Tensor,
         return arena
     with _ARENA_LOCK:
         arena = _ARENAS.get(key)  # (another thread may have released them all meanwhile)
+        least = -(-nbytes // _ARENA_STEP) * _ARENA_STEP
+        if least >= _OUT_OF_MEMORY.get(key, least + 1):
+            return None
         if arena is None:  # a new stream or thread: ended threads' arenas are freed first
-            # (a thread that Python did not start is listed, as a dummy counted alive, once it
-            # has asked for its current thread)
-            threading.current_thread()
+            # (a thread that Python did not start is listed from its first arena on, as a
+            # dummy that counts as alive: the helper thread's constructor asks for the
+            # current thread)
             alive = {t.ident for t in threading.enumerate()}
             for ended in [k for k in _ARENAS if k[2] not in alive]:
                 del _ARENAS[ended]
@@ -443,9 +450,6 @@ def _arena(key: tuple, nbytes: int, device: torch.device) -> tuple[torch.Tensor,
                 del _OUT_OF_MEMORY[ended]
             if len(_ARENAS) >= _MAX_ARENAS:
                 return None
-        least = -(-nbytes // _ARENA_STEP) * _ARENA_STEP
-        if least >= _OUT_OF_MEMORY.get(key, least + 1):
-            return None
         sizes = dict.fromkeys((max(least, 2 * arena[0].numel() if arena is not None else 0), least))
         stream, made = torch.cuda.current_stream(device), []
 
@@ -509,8 +513,14 @@ def _picker(positions: list):
 _MAX_PLANS = 4096  # signatures per table; cleared when full (a model has a handful)
 _MAX_GRAPHS = 1024  # graphs (and addresses seen once) per plan; cleared when full (a model has one per layer)
 _UNSEEN = object()
-_FIRST_RETRY_WAIT = 8  # calls after a key's failed capture that launch every kernel before it is tried again
-_MAX_RETRY_WAIT = 1024  # the most calls between two tries (the wait doubles after each failure)
+# After a key's failed capture its 8th call tries again, after a second failure its 64th,
+# after a third its 512th; after a fourth it launches every kernel for good (a capture that
+# raises may leave torch's caching allocator keeping the state of a capture under way, so
+# a key is not tried forever)
+_FIRST_RETRY_WAIT = 8
+_RETRY_WAIT_GROWTH = 8
+_LAST_RETRY_WAIT = 512
+_FAILED = object()
 
 
 def planned(states: dict, key, sources: dict, hidden: torch.Tensor, forward, fed: tuple = ()) -> torch.Tensor:
