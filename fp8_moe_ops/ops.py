@@ -30,7 +30,7 @@ import torch.autograd.forward_ad as _forward_ad
 
 from . import reference
 from ._checks import (ACT_DTYPES, INDEX_DTYPES, SCALE_DTYPES, check_block_size, check_scale_values, check_sizes,
-                      fail, keep_newest, meta_key, metadata_guard, shape_str)
+                      check_swiglu_limit, fail, keep_newest, meta_key, metadata_guard, shape_str)
 from .functional import ACTIVATIONS, cdiv
 
 
@@ -182,8 +182,8 @@ def _check_experts_options(E, activation, gate_up_act_scale, down_act_scale, swi
         fail(ValueError, "activation", f"one of {ACTIVATIONS}", repr(activation))
     _check_act_scale("gate_up_act_scale", gate_up_act_scale, E)
     _check_act_scale("down_act_scale", down_act_scale, E)
-    if swiglu_limit is not None and not swiglu_limit > 0:
-        fail(ValueError, "swiglu_limit", "None or a positive float", swiglu_limit)
+    # typed as well as ranged: a direct call (call_experts) has no dispatcher to refuse a str
+    check_swiglu_limit(swiglu_limit)
 
 
 def check_experts(hidden, top_k_index, top_k_weights, gate_up_proj, gate_up_scale_inv, down_proj, down_scale_inv,
@@ -529,7 +529,9 @@ def call_experts(name: str, args: Sequence) -> torch.Tensor:
     dispatch mode, a functorch transform, a forward-AD level or the profiler active; a
     tensor subclass; grad enabled with an argument that requires it (the autograd kernel
     refuses backward).
-    The kernel is the op's own, with its checks, so outputs and errors are the op's.
+    The kernel is the op's own, with its checks, so outputs and errors are the op's, but
+    for what the dispatcher would convert (a numpy integer in ``block_size``, a bool
+    ``swiglu_limit``): here a ``TypeError`` naming the argument.
     Skipped, the dispatcher's boxing and autograd kernel cost 2.4-4.6 µs of CPU per call
     on the CPU machine (``bench/module_overhead.py``), 9.9-15.0 µs on the H200 machine's
     host (``bench/host_ab.py``).  The modules and the transformers

@@ -370,6 +370,12 @@ def test_call_experts_rejects_bad_input_as_the_op_does(monkeypatch):
             torch.ops.fp8_moe.grouped_experts(*args)
         assert str(direct.value) == str(dispatched.value)
     assert len(calls) == 3
+    # what the dispatcher's parsing refuses (a str limit) the direct path's checks refuse, naming it
+    args = (hidden, idx, w, *m.expert_weights()._replace(swiglu_limit="7"))
+    with pytest.raises(TypeError, match="swiglu_limit: expected None or a positive float"):
+        ops.call_experts("grouped_experts", args)
+    with pytest.raises(RuntimeError, match="swiglu_limit"):
+        torch.ops.fp8_moe.grouped_experts(*args)
 
 
 @pytest.mark.slow
