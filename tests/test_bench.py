@@ -315,6 +315,18 @@ def test_host_overhead_table_shows_the_cost_beyond_the_op(common, monkeypatch):
     assert "| qwen3_30b_a3b | 1 | FP8Experts.forward | 52.5 | +12.5 | 90.0 | 6.0 |" in overhead.table(runner)
 
 
+def test_host_layers_table_pairs_each_layers_idle_and_busy_times(common, monkeypatch):
+    layers = _load("host_layers", monkeypatch)
+    runner = common.Runner("host_layers")
+    for variant, us in (("op idle", [35.2, 33.8]), ("op busy", [32.7, 29.7]), ("launch plan idle", [22.1, 20.7])):
+        runner.run(common.ExperimentConfig("host_layers", "qwen3_30b_a3b", 1, variant),
+                   lambda us=us: {"cpu_us": us[0], "cpu_us_min": us[1]})
+    table = layers.table(runner)
+    assert "| qwen3_30b_a3b | op | 35.2 (33.8) | 32.7 (29.7) |" in table
+    assert "| qwen3_30b_a3b | launch plan | 22.1 (20.7) | — |" in table  # its busy case missing (failed)
+    assert table.count("| qwen3_30b_a3b |") == 2
+
+
 def test_module_overhead_runs_on_cpu_and_restores_the_op(common, monkeypatch, tmp_path):
     # a fresh process: the script registers no-op ops (fp8_moe::noop_experts, noop_linear)
     # in the fp8_moe namespace, which a test process should not keep for its other tests
