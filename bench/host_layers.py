@@ -18,12 +18,15 @@ each layer of the package, from the outside in:
 * ``empty_like``: one allocation like hidden's, for scale.
 
 Each is timed as ``bench/host_overhead.py`` times a call (back-to-back calls, timed before
-the final synchronize, divided by their count), in two modes: ``idle``, from an idle
-GPU, as the CPU-time target is measured; ``busy``, with a spin kernel of about 20 ms
-queued before the calls, so that none of their work starts or completes while they are
-timed.  The modes and layers alternate in ``--rounds`` rounds of ``--calls`` calls (the
-host's speed drifts within a process); each case reports the median and the least per-call
-time over its rounds.  Writes ``OUT/host_layers.json`` / ``.md``; exits 1 if any case failed.
+the final synchronize, divided by their count), in two modes: ``idle``, the calls started
+on an idle GPU, as the CPU-time target is measured (where a call's kernels take longer than
+its CPU time, as deepseek_v3's and mixtral_8x7b's, the GPU is idle only at the first);
+``busy``, with a spin kernel of about 20 ms queued before the calls, so that none of their
+work starts or completes while they are timed.  The layers alternate in ``--rounds``
+rounds of ``--calls`` calls (the host's speed drifts within a process), each layer's two
+modes one after the other, in turns first; each case reports the median and the least
+per-call time over its rounds.  A layer that raises has its cases recorded as failed.
+Writes ``OUT/host_layers.json`` / ``.md``; exits 1 if any case failed.
 """
 
 from __future__ import annotations
@@ -72,6 +75,13 @@ def per_call_us(fn, calls: int, busy: bool) -> float:
     return (t1 - t0) / calls * 1e6
 
 
+def summary(us: list, error: Exception | None) -> dict:
+    """A case's median and least µs per call over its rounds; raises the layer's error."""
+    if error is not None:
+        raise error
+    return {"cpu_us": statistics.median(us), "cpu_us_min": min(us)}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out-dir", required=True)
@@ -87,16 +97,24 @@ def main() -> int:
         x, idx, wts = layer_inputs(model, 1, gen)
         fns = layers(model, w, x, idx, wts)
         times = {(layer, mode): [] for layer in fns for mode in MODES}
-        for fn in fns.values():  # compiles, records the plans and guards, warms up
-            for _ in range(30):
-                fn()
-        for _ in range(args.rounds):
+        failed = {}  # layer -> its exception: its cases are recorded as failed, the others go on
+        for layer, fn in fns.items():  # compiles, records the plans and guards, warms up
+            try:
+                for _ in range(30):
+                    fn()
+            except Exception as e:  # noqa: BLE001 - recorded below
+                failed[layer] = e
+        for r in range(args.rounds):
             for layer, fn in fns.items():
-                for mode in MODES:
-                    times[(layer, mode)].append(per_call_us(fn, args.calls, mode == "busy"))
+                for mode in MODES if r % 2 == 0 else MODES[::-1]:  # neither mode always runs first
+                    if layer not in failed:
+                        try:
+                            times[(layer, mode)].append(per_call_us(fn, args.calls, mode == "busy"))
+                        except Exception as e:  # noqa: BLE001 - recorded below
+                            failed[layer] = e
         for (layer, mode), us in times.items():
             runner.run(ExperimentConfig("host_layers", name, 1, f"{layer} {mode}"),
-                       lambda: {"cpu_us": statistics.median(us), "cpu_us_min": min(us)})
+                       lambda: summary(us, failed.get(layer)))
         del w, fns
         torch.cuda.empty_cache()
         runner.save(table(runner))

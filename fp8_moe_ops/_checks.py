@@ -8,6 +8,7 @@ or shape) whose message names the argument and says what was expected and what c
 from __future__ import annotations
 
 import functools
+import numbers
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
@@ -102,7 +103,7 @@ def check_scale_dtype(scale_dtype: object, name: str = "scale_dtype") -> torch.d
 def check_swiglu_limit(swiglu_limit: object) -> float | None:
     if swiglu_limit is None:
         return None
-    if isinstance(swiglu_limit, bool) or not isinstance(swiglu_limit, (int, float)):
+    if isinstance(swiglu_limit, bool) or not isinstance(swiglu_limit, numbers.Real):  # numpy's reals too
         fail(TypeError, "swiglu_limit", "None or a positive float", repr(swiglu_limit))
     if not swiglu_limit > 0:
         fail(ValueError, "swiglu_limit", "None or a positive float", swiglu_limit)

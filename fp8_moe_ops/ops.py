@@ -530,8 +530,8 @@ def call_experts(name: str, args: Sequence) -> torch.Tensor:
     tensor subclass; grad enabled with an argument that requires it (the autograd kernel
     refuses backward).
     The kernel is the op's own, with its checks, so outputs and errors are the op's, but
-    for what the dispatcher would convert (a numpy integer in ``block_size``, a bool
-    ``swiglu_limit``): here a ``TypeError`` naming the argument.
+    for what the dispatcher would convert (a numpy integer in ``block_size``, a bool or
+    0-d tensor ``swiglu_limit``): here a ``TypeError`` naming the argument (docs/ops.md).
     Skipped, the dispatcher's boxing and autograd kernel cost 2.4-4.6 µs of CPU per call
     on the CPU machine (``bench/module_overhead.py``), 9.9-15.0 µs on the H200 machine's
     host (``bench/host_ab.py``).  The modules and the transformers

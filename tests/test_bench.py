@@ -318,12 +318,15 @@ def test_host_overhead_table_shows_the_cost_beyond_the_op(common, monkeypatch):
 def test_host_layers_table_pairs_each_layers_idle_and_busy_times(common, monkeypatch):
     layers = _load("host_layers", monkeypatch)
     runner = common.Runner("host_layers")
-    for variant, us in (("op idle", [35.2, 33.8]), ("op busy", [32.7, 29.7]), ("launch plan idle", [22.1, 20.7])):
+    for variant, us, error in (("op idle", [35.2, 34.0, 33.8], None), ("op busy", [32.7, 29.7, 33.0], None),
+                               ("launch plan idle", [22.1, 20.7, 23.0], None),
+                               ("launch plan busy", [], RuntimeError("the layer raised"))):
         runner.run(common.ExperimentConfig("host_layers", "qwen3_30b_a3b", 1, variant),
-                   lambda us=us: {"cpu_us": us[0], "cpu_us_min": us[1]})
+                   lambda us=us, error=error: layers.summary(us, error))
+    assert [r.error for r in runner.results if not r.ok] == ["RuntimeError: the layer raised"]
     table = layers.table(runner)
-    assert "| qwen3_30b_a3b | op | 35.2 (33.8) | 32.7 (29.7) |" in table
-    assert "| qwen3_30b_a3b | launch plan | 22.1 (20.7) | — |" in table  # its busy case missing (failed)
+    assert "| qwen3_30b_a3b | op | 34.0 (33.8) | 32.7 (29.7) |" in table  # median (least) of the rounds
+    assert "| qwen3_30b_a3b | launch plan | 22.1 (20.7) | — |" in table  # its busy case failed
     assert table.count("| qwen3_30b_a3b |") == 2
 
 

@@ -2,6 +2,7 @@
 
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -376,6 +377,10 @@ def test_call_experts_rejects_bad_input_as_the_op_does(monkeypatch):
         ops.call_experts("grouped_experts", args)
     with pytest.raises(RuntimeError, match="swiglu_limit"):
         torch.ops.fp8_moe.grouped_experts(*args)
+    # numpy's reals are limits as Python's floats are
+    limited = [ops.call_experts("grouped_experts", (hidden, idx, w, *m.expert_weights()._replace(swiglu_limit=v)))
+               for v in (0.5, np.float32(0.5), np.float64(0.5))]
+    assert torch.equal(limited[0], limited[1]) and torch.equal(limited[0], limited[2])
 
 
 @pytest.mark.slow
