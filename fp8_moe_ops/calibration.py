@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Iterable
 
@@ -13,29 +14,41 @@ from .modules import FP8Experts, FP8Linear
 from .functional import FP8_MAX
 
 
-def _scale_from_amax(amax: torch.Tensor) -> torch.Tensor | None:
+def _scale_from_amax(amax: torch.Tensor, seen: torch.Tensor | None = None) -> torch.Tensor | None:
     """amax (one value, or (2, E): gate_up and down inputs per expert) -> dequant
     multiplier ``amax / 448`` (at least float32's smallest positive value, so that a
     tiny amax never makes a zero scale).  An expert that saw no token (amax 0) takes the
-    largest scale of its projection in the layer, so it never saturates needlessly.
+    largest scale of its projection in the layer (``seen`` (2,): those maxima, where the
+    layer's experts are spread over ranks), so it never saturates needlessly.
     None where there is nothing to scale by: a linear, or a projection of every expert
     of a layer, whose inputs were all zero or that was never called."""
-    seen = amax.amax(dim=-1, keepdim=True) if amax.dim() else amax
+    if seen is not None:
+        seen = seen[:, None]
+    else:
+        seen = amax.amax(dim=-1, keepdim=True) if amax.dim() else amax
     if not bool((seen > 0).all()):
         return None
     return (torch.where(amax > 0, amax, seen) / FP8_MAX).clamp_min(2.0 ** -149)  # float32's smallest positive
 
 
-def _check_finite(m: nn.Module, name: str) -> None:
-    """Raises where ``m``'s recorded input maxima hold a NaN or an infinity."""
-    bad = ~torch.isfinite(m._observer)
-    if not bad.any():
-        return
+def _check_finite(m: nn.Module, name: str, shared: tuple | None = None) -> None:
+    """Raises where ``m``'s recorded input maxima hold a NaN or an infinity (``shared``:
+    the layer's experts are spread over ranks, and these are the reduced
+    :meth:`~fp8_moe_ops.parallel.ExpertParallel._calibration_maxima`)."""
+    if shared is not None:
+        bad = shared[0]
+        if bad is None:
+            return
+    else:
+        mask = ~torch.isfinite(m._observer)
+        if not mask.any():
+            return
+        bad = None if isinstance(m, FP8Linear) else tuple(int(i) for i in mask.nonzero()[0])
     where = f"model.{name}" if name else "model"
     if isinstance(m, FP8Linear):
         what = "its input"
     else:
-        proj, expert = (int(i) for i in bad.nonzero()[0])
+        proj, expert = bad
         what = f"the {('gate_up', 'down')[proj]} input of expert {expert}"
     raise ValueError(f"calibration_batches: expected finite activations, got NaN or Inf in {where} "
                      f"({type(m).__name__}): {what}; no static scale can represent it")
@@ -62,6 +75,15 @@ def _run_batch(model: nn.Module, batch, batches, index: int) -> None:
         raise
 
 
+def _expert_parallel(model: nn.Module) -> dict:
+    """{local experts: their ``ExpertParallel``} in ``model``, in module order (none where
+    :mod:`fp8_moe_ops.parallel` was never imported)."""
+    parallel = sys.modules.get(f"{__package__}.parallel")
+    if parallel is None:
+        return {}
+    return {m.local_experts: m for m in model.modules() if isinstance(m, parallel.ExpertParallel)}
+
+
 @torch.no_grad()
 def calibrate_static_scales(model: nn.Module, calibration_batches: Iterable) -> nn.Module:
     """Switches every ``FP8Linear`` / ``FP8Experts`` in ``model`` to static activation scales.
@@ -78,7 +100,10 @@ def calibrate_static_scales(model: nn.Module, calibration_batches: Iterable) -> 
     nonzero input (never called by the batches, or only with zeros; for experts: no
     nonzero input to one of the projections of any expert) stays dynamic, with a
     ``UserWarning`` naming it: no maximum was observed to scale by.  Empty batches
-    (no tokens) record nothing.
+    (no tokens) record nothing.  Experts spread over ranks
+    (:class:`fp8_moe_ops.parallel.ExpertParallel`) calibrate as one process holding every
+    expert would, their layer's maxima reduced over its group: every rank of the group
+    calls this with the same model.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
@@ -102,11 +127,17 @@ def calibrate_static_scales(model: nn.Module, calibration_batches: Iterable) -> 
             seen += 1
         if seen == 0:
             raise ValueError("calibration_batches: expected at least one batch, got none")
+        # experts spread over ranks (fp8_moe_ops.parallel): their layer's maxima reduced
+        # over the group, every layer's before anything raises (collectives, in the same
+        # order on every rank), so that every rank raises alike and calibrates as one
+        # process holding every expert would
+        shared = {m: ep._calibration_maxima(m._observer) for m, ep in _expert_parallel(model).items()
+                  if m in names}
         for m in targets:
-            _check_finite(m, names[m])
+            _check_finite(m, names[m], shared.get(m))
         unseen = []
         for m in targets:
-            scales = _scale_from_amax(m._observer)
+            scales = _scale_from_amax(m._observer, shared[m][1] if m in shared else None)
             if scales is None:
                 unseen.append(f"model.{names[m]}" if names[m] else "model")
                 continue

@@ -3,9 +3,9 @@
 Data flow of :class:`ExpertParallel` on every rank (S = T_r * k slots; see docs/parallel.md):
 
 1. The owner of expert ``e`` is rank ``e // E_local``.  Each token is sent once to each
-   rank that owns at least one of its experts (not once per slot): a row of its
-   activations (as bytes: gloo has no bfloat16 or fp8 all-to-all) followed by its k
-   local expert ids on that rank as int32, -1 for the slots elsewhere.  Rows are
+   rank that owns at least one of its experts (not once per slot): a row of its k
+   local expert ids on that rank as int32, -1 for the slots elsewhere, followed by its
+   activations (as bytes: gloo has no bfloat16 or fp8 all-to-all).  Rows are
    ordered by destination rank, then token.
 2. ``all_to_all_single`` of the (rows, slots) counts per rank; one host sync turns them
    into split sizes.  Then ``all_to_all_single`` of the rows.
@@ -32,6 +32,8 @@ CUDA, whose combine is a kernel, not even those).
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -54,16 +56,22 @@ def shard_experts(experts: FP8Experts, rank: int, world_size: int) -> FP8Experts
     dimension and copied (so the full module's storage can be freed); every other
     setting (block size, activation, scheme, dispatch, swiglu limit) is kept.
 
+    The shard remembers its ``(rank, world_size)``: :class:`ExpertParallel` refuses it on
+    another rank or in a group of another size.
+
     Raises:
-        TypeError: ``experts`` is not an ``FP8Experts``.
+        TypeError: ``experts`` is not an ``FP8Experts``, or ``rank`` / ``world_size`` not
+            an integer (Python's or numpy's; not bool).
         ValueError: ``world_size`` < 1, ``rank`` outside [0, world_size), or E not a
             multiple of ``world_size``.
     """
     if not isinstance(experts, FP8Experts):
         raise TypeError(f"experts: expected an FP8Experts, got {type(experts).__name__}")
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+    world_size = _integer(world_size, "world_size")
+    if world_size < 1:
         raise ValueError(f"world_size: expected a positive int, got {world_size!r}")
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+    rank = _integer(rank, "rank")
+    if not 0 <= rank < world_size:
         raise ValueError(f"rank: expected an int in [0, {world_size}), got {rank!r}")
     E = experts.num_experts
     if E % world_size:
@@ -77,7 +85,18 @@ def shard_experts(experts: FP8Experts, rank: int, world_size: int) -> FP8Experts
         full = getattr(experts, name)
         if full is not None:
             setattr(local, name, nn.Parameter(full.detach()[lo:lo + n].clone(), requires_grad=False))
+    local._shard = (rank, world_size)
     return local
+
+
+def _integer(value, name: str) -> int:
+    """``value`` as a Python int: an int or any other integer (numpy's), not a bool."""
+    if not isinstance(value, bool):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    raise TypeError(f"{name}: expected an int, got {type(value).__name__} {value!r}")
 
 
 class ExpertParallel(nn.Module):
@@ -105,19 +124,31 @@ class ExpertParallel(nn.Module):
         if not dist.is_available() or not dist.is_initialized():
             raise ValueError("group: expected an initialised torch.distributed process group, got none "
                              "(call torch.distributed.init_process_group first)")
+        # (new_group gives a process outside the group a marker instead: refused below)
+        if group is not None and not isinstance(group, dist.ProcessGroup) \
+                and not (type(group) is int and group == dist.GroupMember.NON_GROUP_MEMBER):
+            raise TypeError(f"group: expected a torch.distributed.ProcessGroup or None, got {type(group).__name__}")
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         if self.rank < 0:
             raise ValueError(f"group: expected a process group this process belongs to, got one without it "
                              f"(global rank {dist.get_rank()})")
-        if isinstance(num_experts, bool) or not isinstance(num_experts, int) \
-                or num_experts != local_experts.num_experts * self.world_size:
-            raise ValueError(f"num_experts: expected local_experts.num_experts * world_size = "
-                             f"{local_experts.num_experts} * {self.world_size}, got {num_experts!r}")
-        self.local_experts = local_experts
-        self.num_experts = num_experts
+        self.num_experts = _integer(num_experts, "num_experts")
         self.group = group
         self._layout_rows: dict = {}  # (dtype, k, device) -> _layout_row
+        self._check_local(local_experts)
+        self.local_experts = local_experts
+
+    def _check_local(self, local_experts: FP8Experts) -> None:
+        """Raises where ``local_experts`` cannot be this rank's shard of ``num_experts``:
+        another expert count, or (a shard of :func:`shard_experts`) another rank's."""
+        if self.num_experts != local_experts.num_experts * self.world_size:
+            raise ValueError(f"num_experts: expected local_experts.num_experts * world_size = "
+                             f"{local_experts.num_experts} * {self.world_size}, got {self.num_experts!r}")
+        shard = getattr(local_experts, "_shard", None)
+        if shard is not None and shard != (self.rank, self.world_size):
+            raise ValueError(f"local_experts: expected this rank's shard, shard_experts(experts, {self.rank}, "
+                             f"{self.world_size}), got shard_experts(experts, {shard[0]}, {shard[1]})")
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -140,7 +171,8 @@ class ExpertParallel(nn.Module):
         row_rank, row_tok = rows // max(T, 1), rows % max(T, 1)
         # each row carries its token's local expert ids on that rank, -1 for the other slots
         local = torch.where(owner[row_tok] == row_rank[:, None], ids[row_tok] - row_rank[:, None] * n_local, -1)
-        payload = torch.cat([_as_bytes(hidden_states[row_tok]), _as_bytes(local.to(torch.int32))], dim=1)
+        # the int32 ids first: a row's bytes start 4-byte aligned whatever H and the dtype
+        payload = torch.cat([_as_bytes(local.to(torch.int32)), _as_bytes(hidden_states[row_tok])], dim=1)
         counts = torch.stack([hit.sum(1), (owner.reshape(1, -1) == ranks[:, None]).sum(1)], dim=1)  # (world, 2)
         # and what every rank must agree on to read the others' rows (checked on receipt)
         counts = torch.cat([counts, self._layout_row(hidden_states.dtype, k, counts.device).expand(world, -1)], dim=1)
@@ -153,13 +185,13 @@ class ExpertParallel(nn.Module):
     @torch.compiler.disable
     def _remote_experts(self, payload: torch.Tensor, counts: torch.Tensor, dtype: torch.dtype,
                         k: int) -> torch.Tensor:
-        """Sends each rank its rows of ``payload`` (token bytes, then k int32 local ids),
+        """Sends each rank its rows of ``payload`` (k int32 local ids, then token bytes),
         serves the rows received with the local experts, one output row per local slot,
         and returns the outputs of this rank's valid slots by (rank, token, choice),
         followed by unset rows for the sentinel slots: (T*k, H)."""
         world = self.world_size
         H = self.local_experts.hidden_size
-        row_bytes = H * dtype.itemsize
+        id_bytes = 4 * k
         # counts[r] = (rows, slots) this rank sends to rank r; recv_counts[s]: what s sends here
         recv_counts = torch.empty_like(counts)
         dist.all_to_all_single(recv_counts, counts, group=self.group)
@@ -172,9 +204,10 @@ class ExpertParallel(nn.Module):
         dist.all_to_all_single(recv, payload[:sum(send_rows)], recv_rows, send_rows, group=self.group)
 
         # the received slots in (source, token, choice) order: the valid ids first, stably
-        local = recv[:, row_bytes:].contiguous().view(torch.int32).flatten()
+        # (flattened first: a copy, or one row's view, whose row stride then cannot matter)
+        local = recv[:, :id_bytes].reshape(-1).view(torch.int32)
         slot = torch.sort((local < 0).to(torch.uint8), stable=True).indices[:sum(recv_slots)]
-        x = recv[:, :row_bytes][slot // k].view(dtype)
+        x = recv[:, id_bytes:][slot // k].view(dtype)
         y = self._serve(x, local[slot])
 
         y_sorted = torch.empty((payload.shape[0] // world * k, H), dtype=dtype, device=payload.device)
@@ -221,9 +254,32 @@ class ExpertParallel(nn.Module):
             return self.local_experts(x, local_ids[:, None], ones)
         return torch.ops.fp8_moe.grouped_experts(x, local_ids[:, None], ones, *self.local_experts.expert_weights())
 
+    def _calibration_maxima(self, observer: torch.Tensor) -> tuple[tuple[int, int] | None, torch.Tensor]:
+        """What ``calibrate_static_scales`` needs of the whole layer from this rank's
+        observer (2, E_local) of the local experts' input maxima, reduced over the group
+        (a collective: every rank calls it for its layers in the same order): the first
+        (projection, global expert) whose maximum is not finite on any rank, or None; and
+        the largest maximum of each projection over all experts (2,), for an expert that
+        saw no token."""
+        E = self.num_experts
+        bad = ~torch.isfinite(observer)
+        code = torch.full((1,), 2 * E, dtype=torch.int64, device=observer.device)
+        if bad.any():
+            proj, expert = (int(i) for i in bad.nonzero()[0])
+            code.fill_(proj * E + self.rank * self.local_experts.num_experts + expert)
+        seen = observer.amax(dim=-1)
+        dist.all_reduce(code, op=dist.ReduceOp.MIN, group=self.group)
+        dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=self.group)
+        code = int(code)
+        return (None if code == 2 * E else divmod(code, E)), seen
+
     def _check(self, hidden_states, top_k_index, top_k_weights) -> None:
         """The checks of ``FP8Experts.forward`` (dtypes, shapes, top_k >= 1, the local
-        experts' device), for 2-D hidden states."""
+        experts' device), for 2-D hidden states; and that ``local_experts`` (an attribute
+        that may have been replaced since construction) is still this rank's shard."""
+        if not isinstance(self.local_experts, FP8Experts):
+            raise TypeError(f"local_experts: expected an FP8Experts, got {type(self.local_experts).__name__}")
+        self._check_local(self.local_experts)
         if isinstance(hidden_states, torch.Tensor) and hidden_states.dim() != 2:
             H = self.local_experts.hidden_size
             raise ValueError(f"hidden_states: expected a 2-D (T, {H}) tensor, got shape {tuple(hidden_states.shape)}")
@@ -261,6 +317,10 @@ def _combine(y, top_k_index, top_k_weights, num_experts: int, out_dtype: torch.d
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
-    """A (rows, cols) tensor as (rows, cols * itemsize) uint8: every backend moves bytes
-    (gloo has no bfloat16/fp8 all-to-all); the split sizes stay in rows."""
+    """A dense (rows, cols) tensor as (rows, cols * itemsize) uint8: every backend moves
+    bytes (gloo has no bfloat16/fp8 all-to-all); the split sizes stay in rows.  An empty
+    one as a new empty tensor (its strides, say a (0, 1) ``torch.where`` result's 0, need
+    not allow a view; there is nothing to read or write)."""
+    if t.numel() == 0:
+        return t.new_empty((t.shape[0], t.shape[1] * t.element_size()), dtype=torch.uint8)
     return t.view(torch.uint8)

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import traceback
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -38,15 +39,22 @@ CASES = {
     "fp32": ((5, 8), torch.float32, False, ("uniform", "uniform"), False),
     "fp16_static": ((3, 7), torch.float16, True, ("sentinel", "uniform"), False),
     "compiled": ((6, 2), torch.bfloat16, False, ("sentinel", "uniform"), True),
+    "top1_rank_without_tokens": ((0, 5), torch.bfloat16, False, ("uniform", "uniform"), False),  # k = 1
+    # H odd: a row's bf16 bytes end off 4-byte alignment; every slot on expert E - 1, so
+    # rank 0 receives no row
+    "odd_hidden_rank_serves_nothing": ((1, 4), torch.bfloat16, False, ("one", "one"), False),
 }
+# the cases of another top_k or hidden size than K and H
+OTHER_K = {"top1_rank_without_tokens": 1}
+OTHER_H = {"odd_hidden_rank_serves_nothing": 63}
 
 
-def full_experts(static: bool) -> FP8Experts:
+def full_experts(static: bool, hidden: int = H) -> FP8Experts:
     """The same E experts in every process (seeded): the single-process reference."""
     gen = torch.Generator().manual_seed(0)
-    mod = FP8Experts(E, H, I, BLOCK, activation_scheme="static" if static else "dynamic", dispatch="grouped")
-    mod.gate_up_proj.data, mod.gate_up_proj_scale_inv.data = make_expert_weights(E, 2 * I, H, BLOCK, gen=gen)
-    mod.down_proj.data, mod.down_proj_scale_inv.data = make_expert_weights(E, H, I, BLOCK, gen=gen)
+    mod = FP8Experts(E, hidden, I, BLOCK, activation_scheme="static" if static else "dynamic", dispatch="grouped")
+    mod.gate_up_proj.data, mod.gate_up_proj_scale_inv.data = make_expert_weights(E, 2 * I, hidden, BLOCK, gen=gen)
+    mod.down_proj.data, mod.down_proj_scale_inv.data = make_expert_weights(E, hidden, I, BLOCK, gen=gen)
     if static:
         mod.gate_up_proj_activation_scale.data = torch.rand(E, generator=gen) * 0.01 + 0.005
         mod.down_proj_activation_scale.data = torch.rand(E, generator=gen) * 0.002 + 0.0005
@@ -59,10 +67,51 @@ def rank_inputs(case: str, rank: int, calls: int = 0):
     T = tokens[rank] + calls  # a compiled module is also called with other T
     gen = torch.Generator().manual_seed(1000 * list(CASES).index(case) + 10 * rank + calls)
     kind = kinds[rank]
-    idx, weights = make_routing(T, K, E, "uniform" if kind == "all_sentinel" else kind, gen=gen)
+    idx, weights = make_routing(T, OTHER_K.get(case, K), E, "uniform" if kind == "all_sentinel" else kind, gen=gen)
     if kind == "all_sentinel":
         idx = torch.where(idx % 2 == 0, -5, E + idx)
-    return torch.randn(T, H, generator=gen).to(dtype), idx, weights
+    return torch.randn(T, OTHER_H.get(case, H), generator=gen).to(dtype), idx, weights
+
+
+# calibration over two ranks: per scenario, the experts each rank's tokens are routed to
+# (every token to all K of them): "some_unseen" leaves experts 3, 4, 6, 7 without a token
+# (4, 6 and 7 on rank 1, which serves expert 5 for both ranks), "rank_1_unseen" every
+# expert of rank 1
+CALIBRATION = {"some_unseen": ([0, 1, 5], [5, 2, 0]), "rank_1_unseen": ([2, 0, 1], [1, 3, 0])}
+
+
+def calibration_batches(scenario: str, rank: int, nan: bool = False) -> list:
+    """Two batches of one rank (seeded); ``nan``: a NaN in rank 0's token 1, routed to
+    expert 5 alone (served by rank 1, where it is local expert 1) and sentinels."""
+    gen = torch.Generator().manual_seed(77 + 10 * rank + list(CALIBRATION).index(scenario))
+    batches = []
+    for T in (3 + rank, 2):
+        idx = torch.tensor(CALIBRATION[scenario][rank]).roll(T).repeat(T, 1)
+        hidden = torch.randn(T, H, generator=gen).bfloat16()
+        if nan and rank == 0:
+            hidden[1, 3] = float("nan")
+            idx[1] = torch.tensor([5, -1, E])
+        batches.append((hidden, idx, torch.rand(T, K, generator=gen)))
+    return batches
+
+
+def _calibrate(rank: int) -> dict:
+    """This rank's calibrated local scales per scenario, and the NaN's refusal."""
+    from fp8_moe_ops import calibrate_static_scales
+
+    results = {}
+    for scenario in CALIBRATION:
+        ep = ExpertParallel(shard_experts(full_experts(False), rank, WORLD), E)
+        calibrate_static_scales(ep, calibration_batches(scenario, rank))
+        local = ep.local_experts
+        results[scenario] = (local.activation_scheme, local.gate_up_proj_activation_scale,
+                             local.down_proj_activation_scale)
+    ep = ExpertParallel(shard_experts(full_experts(False), rank, WORLD), E)
+    try:
+        calibrate_static_scales(ep, calibration_batches("some_unseen", rank, nan=True))
+    except ValueError as e:
+        results["nan"] = (str(e), ep.local_experts.activation_scheme)
+    return results
 
 
 def _worker(rank: int, store_path: str, out_dir: str) -> None:
@@ -71,13 +120,19 @@ def _worker(rank: int, store_path: str, out_dir: str) -> None:
         dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD)
         torch.set_num_threads(1)
         for case, (_, _, static, _, compiled) in CASES.items():
-            ep = ExpertParallel(shard_experts(full_experts(static), rank, WORLD), E)
+            ep = ExpertParallel(shard_experts(full_experts(static, OTHER_H.get(case, H)), rank, WORLD), E)
             run = torch.compile(ep) if compiled else ep
             outs = [run(*rank_inputs(case, rank, calls)) for calls in range(2 if compiled else 1)]
             if compiled:  # which graph breaks dynamo took, by reason
                 outs.append(list(counters["graph_break"]))
             torch.save(outs, os.path.join(out_dir, f"{case}_{rank}.pt"))
+        torch.save(_calibrate(rank), os.path.join(out_dir, f"calibration_{rank}.pt"))
         refusals = []
+        # another rank's shard: refused on the rank it is not for
+        try:
+            ExpertParallel(shard_experts(full_experts(False), 0, WORLD), E)
+        except ValueError as e:
+            refusals.append(str(e))
         # ranks that disagree on top_k: each raises, naming it (none waits in a collective);
         # their rows used to be read with the other rank's width (an abort, or wrong values)
         ep = ExpertParallel(shard_experts(full_experts(False), rank, WORLD), E)
@@ -121,13 +176,14 @@ def ep_outputs(tmp_path_factory):
         [p.exitcode for p in procs], "\n".join(errors))
     outputs = {(case, r): torch.load(tmp / f"{case}_{r}.pt") for case in CASES for r in range(WORLD)}
     outputs.update({("refusals", r): torch.load(tmp / f"refusals_{r}.pt") for r in range(WORLD)})
+    outputs.update({("calibration", r): torch.load(tmp / f"calibration_{r}.pt") for r in range(WORLD)})
     return outputs
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_two_ranks_equal_one_process(ep_outputs, case):
     tokens, dtype, static, _, compiled = CASES[case]
-    full = full_experts(static)
+    full = full_experts(static, OTHER_H.get(case, H))
     for rank in range(WORLD):
         outs = ep_outputs[case, rank]
         if compiled:
@@ -137,7 +193,7 @@ def test_two_ranks_equal_one_process(ep_outputs, case):
         for calls, out in enumerate(outs):
             hidden, idx, weights = rank_inputs(case, rank, calls)
             ref = full(hidden, idx, weights)
-            assert out.shape == (tokens[rank] + calls, H) and out.dtype == dtype
+            assert out.shape == (tokens[rank] + calls, OTHER_H.get(case, H)) and out.dtype == dtype
             assert_agree(out, ref)
             if dtype != torch.float32:
                 # The same roundings in the same order give the same 16-bit result here; a
@@ -157,8 +213,33 @@ def test_ranks_that_disagree_raise_naming_the_argument(ep_outputs):
     assert ep_outputs["refusals", 0] == [
         f"top_k_index: expected the top_k of every rank's call, {K} on rank 0 (this one), got {K - 1} on rank 1"]
     assert ep_outputs["refusals", 1] == [
+        "local_experts: expected this rank's shard, shard_experts(experts, 1, 2), got shard_experts(experts, 0, 2)",
         f"top_k_index: expected the top_k of every rank's call, {K - 1} on rank 1 (this one), got {K} on rank 0",
         "group: expected a process group this process belongs to, got one without it (global rank 1)"]
+
+
+@pytest.mark.parametrize("scenario", list(CALIBRATION))
+def test_calibration_over_ranks_equals_one_process(ep_outputs, scenario):
+    """Each rank calibrates the experts it serves, on every rank's rows routed to them; an
+    expert no rank's token reached takes the largest scale of the whole layer: the scales
+    of one process holding every expert, calibrated on both ranks' batches."""
+    from fp8_moe_ops import calibrate_static_scales
+
+    full = calibrate_static_scales(full_experts(False), [b for r in range(WORLD)
+                                                         for b in calibration_batches(scenario, r)])
+    for i, name in enumerate(("gate_up_proj_activation_scale", "down_proj_activation_scale")):
+        got = torch.cat([ep_outputs["calibration", r][scenario][1 + i] for r in range(WORLD)])
+        assert torch.equal(got, getattr(full, name)), name
+    assert all(ep_outputs["calibration", r][scenario][0] == "static" for r in range(WORLD))
+
+
+def test_calibration_over_ranks_refuses_a_nan_on_every_rank(ep_outputs):
+    """Rank 0's NaN reaches expert 5 on rank 1: both ranks raise, naming the global expert,
+    and stay dynamic."""
+    for r in range(WORLD):
+        message, scheme = ep_outputs["calibration", r]["nan"]
+        assert "the gate_up input of expert 5" in message and "model.local_experts" in message, message
+        assert scheme == "dynamic"
 
 
 def test_single_process_group(tmp_path):
@@ -202,6 +283,23 @@ def test_single_process_group(tmp_path):
         assert torch.equal(calibrated_ep(hidden, idx, weights), calibrated(hidden, idx, weights))
         with pytest.raises(ValueError, match="num_experts"):
             ExpertParallel(shard_experts(full, 0, 1), E + 1)
+        with pytest.raises(TypeError, match=r"num_experts: expected an int, got float 8.0"):
+            ExpertParallel(shard_experts(full, 0, 1), float(E))
+        with pytest.raises(TypeError, match=r"group: expected a torch.distributed.ProcessGroup or None, got list"):
+            ExpertParallel(shard_experts(full, 0, 1), E, group=[0])
+        # numpy's integers are integers
+        assert torch.equal(ExpertParallel(shard_experts(full, np.int64(0), np.int64(1)), np.int64(E))(
+            hidden, idx, weights), full(hidden, idx, weights))
+        # local_experts replaced after construction by experts that are not this rank's
+        # whole share: refused at the call (ids no rank serves were read as empty rows)
+        replaced = ExpertParallel(shard_experts(full, 0, 1), E)
+        replaced.local_experts = FP8Experts(E // 2, H, I, BLOCK, dispatch="grouped")
+        with pytest.raises(ValueError, match=r"num_experts: expected local_experts.num_experts \* world_size = "
+                                             r"4 \* 1, got 8"):
+            replaced(hidden, idx, weights)
+        replaced.local_experts = torch.nn.Identity()
+        with pytest.raises(TypeError, match="local_experts: expected an FP8Experts, got Identity"):
+            replaced(hidden, idx, weights)
         with pytest.raises(TypeError, match="local_experts"):
             ExpertParallel(torch.nn.Linear(2, 2), E)
         with pytest.raises(ValueError, match="hidden_states"):
@@ -263,6 +361,11 @@ def test_shard_experts_bad_input():
         shard_experts(full, 2, 2)
     with pytest.raises(ValueError, match="rank"):
         shard_experts(full, -1, 2)
+    with pytest.raises(TypeError, match="rank: expected an int, got bool True"):
+        shard_experts(full, True, 2)
+    with pytest.raises(TypeError, match="world_size: expected an int, got str '2'"):
+        shard_experts(full, 0, "2")
+    assert shard_experts(full, np.int32(1), np.int64(2))._shard == (1, 2)
 
 
 def test_package_import_leaves_parallel_out():
