@@ -167,8 +167,10 @@ def uninstall() -> None:
 
 @contextlib.contextmanager
 def enabled():
-    """Context manager: the pass is on inside, and off after unless it was on before."""
-    was_on = is_installed()
+    """Context manager: the pass is on inside, and off after unless it was installed
+    before (even where other code has since changed the hook or the flag, which the
+    ``install()`` inside repairs: a permanent install outlives the block)."""
+    was_on = _state is not None
     install()
     try:
         yield

@@ -543,7 +543,8 @@ def find_loop(steps: list, step_of=accumulation_step) -> Candidate | None:
     """The chain as a loop over experts, or None when it is none: every step (as
     ``step_of`` reads it) adds rows selected by a ``nonzero`` (possibly through an
     integer cast), and the steps' bodies call ``fp8_moe::linear``.  Raises Skip for a
-    chain whose steps with such rows call it, where other steps add other rows."""
+    chain whose steps with such rows call it with static activation scales (``static``),
+    or where other steps add other rows."""
     nzs, bodies, strays = [], [], 0
     for s in steps:
         step = step_of(s)
@@ -553,8 +554,11 @@ def find_loop(steps: list, step_of=accumulation_step) -> Candidate | None:
             continue
         nzs.append(co[0])
         bodies.append(_body(step.value, co[0]))
-    if not any(is_call(n, LINEAR) for b in bodies for n in b):
+    linears = [n for b in bodies for n in b if is_call(n, LINEAR)]
+    if not linears:
         return None
+    if any(_linear_args(n)[4] is not None for n in linears):  # before any other reason: counted as static
+        raise Skip("its activation scheme is static (fp8_moe::linear has an act_scale)", static=True)
     if strays:
         raise Skip(f"{strays} of the {len(steps)} steps of its accumulation add{'s' if strays == 1 else ''} rows "
                    f"that no torch.where of top_k_index selects (say a shared term added into the same accumulator)",
@@ -565,13 +569,10 @@ def find_loop(steps: list, step_of=accumulation_step) -> Candidate | None:
 def prove(c: Candidate) -> Loop:
     """The proof that the loop equals one grouped expert call; raises Skip (with the
     reason) for a loop that is left eager."""
-    steps = c.steps
+    steps = c.steps  # (find_loop has refused a static scheme)
     if any(_coord(accumulation_step(s).rows) is None for s in steps):
         # e.g. index_add_(0, tok.int(), ...): an expert loop, but not a spelling we prove
         raise Skip("the token index of an accumulation step is a cast torch.where coordinate")
-    linears = [n for b in c.bodies for n in b if is_call(n, LINEAR)]
-    if any(_linear_args(n)[4] is not None for n in linears):
-        raise Skip("its activation scheme is static (fp8_moe::linear has an act_scale)", static=True)
 
     acc = accumulation_step(steps[0]).acc
     if not _is_zeros(acc):

@@ -34,16 +34,29 @@ def _attr(gm, target: str):
 
 def _common_base(ts: list, what: str):
     """The (E, ...) tensor whose rows are exactly ``ts`` (frozen ``w[e]`` views of a
-    stacked parameter), or None."""
+    stacked parameter), or None; raises Skip, as :func:`_stacked` for the unfrozen
+    graph, where they are rows of one but not each expert's own, or not all of them."""
     base = ts[0]._base
     if (base is not None and base.dim() == ts[0].dim() + 1 and base.is_contiguous()
             and all(t._base is base and t.dtype == base.dtype for t in ts)):
-        if all(t.data_ptr() == base[i].data_ptr() and t.shape == base[i].shape and t.stride() == base[i].stride()
-               for i, t in enumerate(ts)):
+        rows = [_row_of(base, t) for t in ts]
+        if None not in rows:
+            if rows != list(range(len(ts))):
+                raise Skip(f"experts 0..{len(ts) - 1} use {what} {rows} of the stacked tensor, not their own")
             if base.shape[0] != len(ts):
                 raise Skip(f"the loop covers {len(ts)} of the {base.shape[0]} experts of its {what}")
             return base
     return None
+
+
+def _row_of(base: torch.Tensor, t: torch.Tensor) -> int | None:
+    """Which row ``base[i]`` the view ``t`` of contiguous ``base`` is, or None."""
+    row_bytes = base.stride(0) * base.element_size()
+    offset = t.data_ptr() - base.data_ptr()
+    if row_bytes == 0 or offset % row_bytes or not 0 <= offset // row_bytes < base.shape[0]:
+        return None
+    i = offset // row_bytes
+    return i if t.shape == base[i].shape and t.stride() == base[i].stride() else None
 
 
 def _stacked(gm, nodes: list, what: str):
@@ -99,8 +112,9 @@ def _fake(gm, fake_mode, o):
     return fake
 
 
-def _rewrite(graph: Graph, loop: Loop) -> str:
-    """Replaces ``loop``; returns the name of the op inserted."""
+def _prepare(graph: Graph, loop: Loop) -> tuple:
+    """What :func:`_rewrite` inserts for ``loop``, checked by the op's own checks (raises
+    Skip where they refuse it); nothing in ``graph`` is changed yet."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     gm = graph.owning_module
@@ -124,7 +138,15 @@ def _rewrite(graph: Graph, loop: Loop) -> str:
             out_val = op(*args)
     except (TypeError, ValueError) as exc:
         raise Skip(f"{op.name()} rejects the loop's operands: {exc}") from exc
+    return op, operands, fakes, head, out_val
 
+
+def _rewrite(graph: Graph, loop: Loop, prepared: tuple) -> str:
+    """Replaces ``loop`` with the call :func:`_prepare` made; returns the op's name."""
+    op, operands, fakes, head, out_val = prepared
+    gm = graph.owning_module
+    first = loop.iters[0]
+    bs, name, limit = first.block_size, first.activation.name, first.activation.limit
     placeholders = list(graph.find_nodes(op="placeholder"))
     anchor = placeholders[-1].next if placeholders else next(iter(graph.nodes))
     for i, o in enumerate(operands):
@@ -205,10 +227,15 @@ def _erase_dead_nonzeros(graph: Graph, nzs: list) -> None:
 
 
 def rewrite_moe_loops(graph: Graph) -> int:
-    """Rewrites every provable expert loop of ``graph``; returns how many."""
-    if not graph.find_nodes(op="call_function", target=LINEAR):
+    """Rewrites every provable expert loop of ``graph``; returns how many.  Every loop
+    left eager is counted and logged: those it reads as loops with their reason, then
+    the calls of ``fp8_moe::linear`` on selected rows in no chain it reads
+    (:func:`_unread_loops`).  An error of the pass itself while it reads a loop leaves
+    that loop eager too (counted, and logged as a warning): never the compile's failure."""
+    linears = graph.find_nodes(op="call_function", target=LINEAR)
+    if not linears:
         return 0
-    done = 0
+    done, seen = 0, set()  # seen: the nodes above the chains counted as skipped
     for head in chain_heads(graph, ACCUMULATIONS):
         if head._erased:  # dead code of an earlier rewrite
             continue
@@ -218,25 +245,124 @@ def rewrite_moe_loops(graph: Graph) -> int:
             if candidate is None:
                 continue
             loop = prove(candidate)
-            op = _rewrite(graph, loop)
+            prepared = _prepare(graph, loop)
         except Skip as skip:
             _skipped("static" if skip.static else "unsupported", steps, skip)
+            seen |= _above(_with_rest(steps, accumulation_step))
             continue
+        except Exception as exc:  # a bug of the pass: the loop stays as it is
+            _failed(steps, exc)
+            seen |= _above(_with_rest(steps, accumulation_step))
+            continue
+        op = _rewrite(graph, loop, prepared)
         counters["fp8_moe"]["loops_rewritten"] += 1
         done += 1
         log.info("fp8_moe_ops.passes: replaced a loop over %d experts with %s "
                  "(activation=%s, swiglu_limit=%s, %s)", len(steps), op, loop.iters[0].activation.name,
                  loop.iters[0].activation.limit, loop.numerics)
     for steps in read_modify_write_chains(graph):
+        kind = "unsupported"
         try:
             if find_loop(steps, read_modify_write_step) is None:
                 continue
             reason = ("it combines with out[tok] += v, which keeps one sum of a token that top_k_index routes to an "
                       "expert twice (the grouped op adds both); out.index_add_(0, tok, v) is the combine it replaces")
         except Skip as skip:
-            reason = skip
-        _skipped("unsupported", steps, reason)
+            reason, kind = skip, ("static" if skip.static else "unsupported")
+        except Exception as exc:
+            _failed(steps, exc)
+            seen |= _above(_with_rest(steps, read_modify_write_step))
+            continue
+        _skipped(kind, steps, reason)
+        seen |= _above(_with_rest(steps, read_modify_write_step))
+    _unread_loops(graph, seen)
     return done
+
+
+# how far above a node the searches for a loop's parts look (an expert's body is a
+# handful of nodes deep: index, linear, activation, linear, product, accumulation)
+_DEPTH = 16
+
+
+def _with_rest(steps: list, step_of) -> list:
+    """``steps`` and the steps that go on adding into the last of them (a chain read up
+    to a partial sum used elsewhere stops there: the loop is all of them)."""
+    steps, frontier = list(steps), [steps[-1]]
+    while frontier:
+        frontier = [u for n in frontier for u in n.users if (step := step_of(u)) is not None and step.acc is n]
+        steps += frontier
+    return steps
+
+
+def _above(nodes) -> set:
+    """The nodes up to ``_DEPTH`` inputs above ``nodes``, with them."""
+    found, frontier = set(nodes), list(nodes)
+    for _ in range(_DEPTH):
+        frontier = [i for n in frontier for i in n.all_input_nodes if i not in found]
+        found.update(frontier)
+        if not frontier:
+            break
+    return found
+
+
+def _unary_above(n, depth: int = 6):
+    """``n`` and the nodes above it through ops of one tensor input (views, casts,
+    getitems), up to ``depth`` of them."""
+    while isinstance(n, Node) and depth >= 0:
+        yield n
+        inputs = n.all_input_nodes
+        if len(inputs) != 1:
+            return
+        n, depth = inputs[0], depth - 1
+
+
+def _selected_rows(x) -> Node | None:
+    """The node selecting the rows of ``x`` (an ``fp8_moe::linear`` input) where they are
+    rows of a tensor indexed by a ``nonzero`` result or a boolean mask (an expert's
+    tokens: ``hidden[tok]``, ``hidden.index_select(0, tok)``, ``hidden[mask]``), or None."""
+    for n in _unary_above(x):
+        if is_call(n, aten.index.Tensor):
+            index = [i for i in n.args[1] if isinstance(i, Node)]
+        elif is_call(n, aten.index_select.default):
+            index = [n.args[2]]
+        else:
+            continue
+        for i in index:
+            if getattr(i.meta.get("val"), "dtype", None) == torch.bool:
+                return i
+            for m in _unary_above(i):
+                if is_call(m, aten.nonzero.default):
+                    return m
+        return None
+    return None
+
+
+def _unread_loops(graph: Graph, seen: set) -> None:
+    """Counts (once per graph) the calls of ``fp8_moe::linear`` left in ``graph`` whose
+    input rows are selected by a ``nonzero`` or a boolean mask and that belong to no
+    chain read above (``seen``): a loop over experts that the pass does not read as one,
+    which would otherwise stay eager without a word."""
+    selections, static = set(), False
+    for n in graph.find_nodes(op="call_function", target=LINEAR):
+        if n in seen:
+            continue
+        rows = _selected_rows(n.args[0])
+        if rows is not None:
+            selections.add(rows)
+            static |= len(n.args) > 4 and n.args[4] is not None or n.kwargs.get("act_scale") is not None
+    if not selections:
+        return
+    reason = (f"its experts' fp8_moe::linear calls take rows selected by torch.where / nonzero or a boolean mask, but "
+              f"no accumulation the pass reads adds them up (out.index_add_(0, tok, v), index_put_ with "
+              f"accumulate=True or scatter_add_ of tok[:, None].expand_as(v), tok a torch.where coordinate"
+              f"{'; its activation scheme is static as well' if static else ''})")
+    _skipped("static" if static else "unsupported", [None] * len(selections), reason)
+
+
+def _failed(steps: list, exc: Exception) -> None:
+    """Counts a loop the pass failed on as left eager, with a warning and the traceback."""
+    log.warning("fp8_moe_ops.passes: the pass failed while reading a loop; left eager", exc_info=exc)
+    _skipped("unsupported", steps, f"the pass failed on it ({type(exc).__name__}: {exc}; a bug of fp8_moe_ops)")
 
 
 def _skipped(kind: str, steps: list, reason) -> None:

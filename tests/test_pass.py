@@ -142,6 +142,16 @@ class TestInstall(TestCase):
             self.assertIs(inductor_config.post_grad_custom_pre_pass, user)
         self.assertEqual(dynamo_config.capture_dynamic_output_shape_ops, capture)
 
+    def test_enabled_keeps_a_permanent_install_that_other_code_disturbed(self):
+        with inductor_config.patch(post_grad_custom_pre_pass=None):
+            passes.install()
+            dynamo_config.capture_dynamic_output_shape_ops = False  # another library's doing
+            with self.assertLogs("fp8_moe_ops.passes", "WARNING"), passes.enabled():
+                self.assertTrue(passes.is_installed())
+            self.assertTrue(passes.is_installed())  # enabled() used to uninstall the user's install()
+            passes.uninstall()
+            self.assertFalse(passes.is_installed())
+
     def test_enabled_nests(self):
         with passes.enabled():
             with passes.enabled():

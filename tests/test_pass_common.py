@@ -59,19 +59,23 @@ class Loop(nn.Module):
     ``torch.where`` selects (near miss: a step of the accumulation that is no expert's).
     combine: "index_add" (out.index_add_(0, tok, v)), "scatter_add" (out.scatter_add_(0,
     tok[:, None].expand(-1, C), v) over C = H columns, or "scatter_add_half" over C = H // 2:
-    a near miss) or "plus_equals" (out[tok] += v: a spelling the pass skips).
+    a near miss), "plus_equals" (out[tok] += v: a spelling the pass skips), or
+    "scatter_add_view" (tok.view(-1, 1).expand(-1, H)) / "scatter_reduce" (scatter_reduce_
+    "sum"): spellings the pass does not read as an accumulation;
+    mask "nonzero_t": ``tok, pos = (top_k_index == e).nonzero().T`` (not read either);
+    static: pass the experts' act scales to fp8_moe::linear (``ex`` static).
     """
 
     def __init__(self, ex: FP8Experts, mask="eq", gather="index", split="chunk", routing="none_index",
                  experts=None, shift=0, extra=False, bias=False, acc="zeros", act_fn=F.silu, aux=False,
-                 peek=False, tok_int=False, combine="index_add", stray=False):
+                 peek=False, tok_int=False, combine="index_add", stray=False, static=False):
         super().__init__()
         self.ex = ex
         self.mask, self.gather, self.split, self.routing = mask, gather, split, routing
         self.experts = list(range(ex.num_experts)) if experts is None else experts
         self.shift, self.extra, self.acc, self.act_fn, self.aux, self.peek = shift, extra, acc, act_fn, aux, peek
         self.bias = nn.Parameter(torch.full((H,), 0.5), requires_grad=False) if bias else None
-        self.tok_int, self.combine, self.stray = tok_int, combine, stray
+        self.tok_int, self.combine, self.stray, self.static = tok_int, combine, stray, static
 
     def _act(self, h):
         ex = self.ex
@@ -94,6 +98,8 @@ class Loop(nn.Module):
         for e in self.experts:
             if onehot is not None:
                 pos, tok = torch.where(onehot[e])
+            elif self.mask == "nonzero_t":
+                tok, pos = (top_k_index == e).nonzero().T
             else:
                 tok, pos = torch.where(top_k_index == e)
             if self.gather == "index":
@@ -103,9 +109,11 @@ class Loop(nn.Module):
             else:
                 x = hidden.index_select(0, tok)
             w = (e + self.shift) % ex.num_experts
-            h = torch.ops.fp8_moe.linear(x, ex.gate_up_proj[w], ex.gate_up_proj_scale_inv[w], ex.block_size)
+            s_gu, s_d = ((ex.gate_up_proj_activation_scale[w], ex.down_proj_activation_scale[w]) if self.static
+                         else (None, None))
+            h = torch.ops.fp8_moe.linear(x, ex.gate_up_proj[w], ex.gate_up_proj_scale_inv[w], ex.block_size, s_gu)
             a = self._act(h)
-            y = torch.ops.fp8_moe.linear(a, ex.down_proj[w], ex.down_proj_scale_inv[w], ex.block_size)
+            y = torch.ops.fp8_moe.linear(a, ex.down_proj[w], ex.down_proj_scale_inv[w], ex.block_size, s_d)
             if self.extra:
                 y = y * 2
             if self.bias is not None:
@@ -119,6 +127,10 @@ class Loop(nn.Module):
             v = y.float() * r.float()
             if self.combine == "plus_equals":
                 out[tok] += v
+            elif self.combine == "scatter_add_view":
+                out.scatter_add_(0, tok.view(-1, 1).expand(-1, H), v)
+            elif self.combine == "scatter_reduce":
+                out.scatter_reduce_(0, tok[:, None].expand(-1, H), v, "sum")
             elif self.combine.startswith("scatter_add"):
                 cols = H // 2 if self.combine == "scatter_add_half" else H
                 out.scatter_add_(0, tok[:, None].expand(-1, cols), v[:, :cols])

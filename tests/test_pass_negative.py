@@ -14,12 +14,12 @@ import torch._inductor.config as inductor_config
 from expecttest import TestCase
 from torch import nn
 
-from fp8_moe_ops import FP8Linear, reference
+from fp8_moe_ops import FP8Experts, FP8Linear, reference
 from fp8_moe_ops.passes import MoELoopPass
 from fp8_moe_ops.passes.activations import _gelu_tanh_formula
 from test_pass_common import (
     BLOCK, H, I, Loop, MixtralLoop, count_linear, error_vs, experts, fp8_counters, fresh_counters, ideal_output,
-    inputs, post_grad, post_grad_only_backend,
+    inputs, post_grad, post_grad_only_backend, static_experts,
 )
 
 pytestmark = pytest.mark.slow
@@ -57,6 +57,23 @@ NEAR_MISSES = [
 ]
 
 
+# loops in spellings the pass does not read as one (no accumulation of torch.where rows it
+# knows): not rewritten, but counted and logged, never silent
+UNREAD = [
+    ("scatter_add_of_a_view", dict(combine="scatter_add_view")),
+    ("scatter_reduce_sum", dict(combine="scatter_reduce")),
+    ("nonzero_transposed", dict(mask="nonzero_t")),
+]
+
+# static loops in spellings that are skipped for other reasons too: counted as static
+STATIC_SPELLINGS = [
+    ("index_add", dict()),
+    ("plus_equals", dict(combine="plus_equals")),
+    ("token_index_cast", dict(tok_int=True)),
+    ("scatter_add_of_a_view", dict(combine="scatter_add_view")),
+]
+
+
 class TestNearMisses(TestCase):
     def _assert_untouched(self, model, args, reason, **patches):
         # one compile with the pass on: each graph the pass sees is the one it leaves
@@ -87,6 +104,52 @@ class TestNearMisses(TestCase):
         for name, knobs, reason in NEAR_MISSES:
             with self.subTest(name):
                 self._assert_untouched(Loop(base, **knobs), args, reason)
+
+    def test_loops_not_read_are_counted(self):
+        args = inputs(8, seed=21)
+        for name, knobs in UNREAD:
+            with self.subTest(name):
+                m = Loop(experts(), **knobs)
+                self._assert_untouched(m, args, "its experts' fp8_moe::linear calls take rows selected by")
+                torch.testing.assert_close(post_grad(m, *args)[0], m(*args), rtol=0, atol=0)
+
+    def test_static_loops_are_counted_as_static_whatever_else_they_miss(self):
+        args = inputs(8, seed=22)
+        for name, knobs in STATIC_SPELLINGS:
+            with self.subTest(name), fresh_counters(), \
+                    self.assertLogs("fp8_moe_ops.passes", level="INFO") as logs:
+                _, gm = post_grad(Loop(static_experts(), static=True, **knobs), *args)
+                self.assertEqual(fp8_counters(), {"loops_skipped_static": 1})
+                self.assertIn("activation scheme is static", logs.output[0])
+                self.assertEqual(count_linear(gm), 2 * 4)
+
+    def test_frozen_weights_of_other_experts_are_skipped_as_unfrozen(self):
+        # frozen, the weights are views of one stacked tensor: experts sharing its rows (4
+        # experts on 2 rows) made the pass index a row past its end and fail the compile;
+        # the next expert's rows were rewritten frozen and skipped unfrozen
+        class SharedRows(Loop):
+            def __init__(self, ex):
+                super().__init__(ex, experts=[0, 1, 2, 3])  # weights ex[e % 2]
+
+        two = FP8Experts(2, H, I, BLOCK)
+        two.load_state_dict({k: v[:2] for k, v in experts().state_dict().items()})
+        args = inputs(8, seed=23)
+        for m, reason in ((SharedRows(two), "use gate_up weights [0, 1, 0, 1] of the stacked tensor, not their own"),
+                          (Loop(experts(), shift=1), "use gate_up weights [1, 2, 3, 0] of the stacked tensor")):
+            for freezing in (False, True):
+                with self.subTest(reason=reason, freezing=freezing):
+                    self._assert_untouched(m, args, reason, freezing=freezing)
+
+    def test_an_error_of_the_pass_leaves_the_loop_eager_and_warns(self):
+        m, args = Loop(experts()), inputs(8, seed=24)
+        with fresh_counters(), mock.patch("fp8_moe_ops.passes.rewrite.prove", side_effect=IndexError("boom")), \
+                self.assertLogs("fp8_moe_ops.passes", level="INFO") as logs:
+            out, gm = post_grad(m, *args)
+        self.assertEqual(fp8_counters(), {"loops_skipped_unsupported": 1})
+        self.assertIn("fp8_moe_ops.passes: the pass failed while reading a loop; left eager\nTraceback", logs.output[0])
+        self.assertIn("the pass failed on it (IndexError: boom; a bug of fp8_moe_ops)", logs.output[1])
+        self.assertEqual(count_linear(gm), 2 * 4)
+        torch.testing.assert_close(out, m(*args), rtol=0, atol=0)
 
     def test_mixed_block_sizes(self):
         m = MixtralLoop(block_sizes=[(16, 16), (16, 16), (32, 32), (16, 16)])
@@ -127,11 +190,14 @@ class TestNearMisses(TestCase):
             out.float().sum().backward()
 
     def test_scatter_add_over_some_columns_is_no_accumulation_and_left_as_it_is(self):
-        # an index over half the columns adds half of each row: not the grouped op's sum
+        # an index over half the columns adds half of each row: not the grouped op's sum;
+        # its experts still take rows torch.where selects: counted as a loop not read
         m, args = Loop(experts(), combine="scatter_add_half"), inputs(8, seed=19)
-        with fresh_counters():
+        with fresh_counters(), self.assertLogs("fp8_moe_ops.passes", level="INFO") as logs:
             out, gm = post_grad(m, *args)
-        self.assertEqual(fp8_counters(), {})
+        self.assertEqual(fp8_counters(), {"loops_skipped_unsupported": 1})
+        self.assertIn("a loop over 4 experts was left eager because its experts' fp8_moe::linear calls take rows "
+                      "selected by torch.where", logs.output[0])
         self.assertGreater(count_linear(gm), 0)
         self.assertIn("scatter_add", str(gm.graph))
         torch.testing.assert_close(out, m(*args), rtol=0, atol=0)
