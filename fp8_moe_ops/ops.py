@@ -383,7 +383,26 @@ def _define(name: str, schema: str, cpu_impl, cuda_impl, fake):
     _LIB.impl(name, cpu_impl, "CPU")
     _LIB.impl(name, cuda_impl, "CUDA")
     torch.library.register_fake(f"fp8_moe::{name}", fake, lib=_LIB)
+    if tensor_lists:  # torch.func.vmap's own per-sample fallback cannot take a Tensor[]
+        torch.library.register_vmap(f"fp8_moe::{name}", _per_sample(op), lib=_LIB)
     return getattr(torch.ops.fp8_moe, name)
+
+
+def _per_sample(op):
+    """A ``torch.func.vmap`` rule for ``op``: the op once per sample, its outputs stacked
+    along dim 0 (what vmap's generic fallback does for the ops without a ``Tensor[]``)."""
+
+    def rule(info, in_dims, *args):
+        def sample(a, dim, b):
+            if isinstance(a, (list, tuple)):
+                dims = dim if isinstance(dim, (list, tuple)) else [dim] * len(a)
+                return [sample(x, d, b) for x, d in zip(a, dims)]
+            return a if dim is None else a.select(dim, b)
+
+        outs = [op(*[sample(a, d, b) for a, d in zip(args, in_dims)]) for b in range(info.batch_size)]
+        return torch.stack(outs), 0
+
+    return rule
 
 
 def _gemm_op(name: str, schema: str, check, ref_fn):

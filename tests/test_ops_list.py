@@ -290,6 +290,26 @@ def test_opcheck(separate, static, T):
                           test_utils=("test_faketensor", "test_aot_dispatch_dynamic", "test_autograd_registration"))
 
 
+def test_vmap_runs_the_list_op_per_sample():
+    # torch.func.vmap's generic fallback cannot take a Tensor[]: the op had no batching rule
+    a = as_expert_lists(make_experts_inputs(5, 3, 64, 32, 2, [16, 16], seed=3), separate=True)
+    b = as_expert_lists(make_experts_inputs(5, 3, 64, 32, 2, [16, 16], seed=4), separate=True)
+    lists = ("gate_up_proj", "gate_up_scale_inv", "down_proj", "down_scale_inv")
+
+    def f(hidden, w, gate_up):
+        return OPS.grouped_experts_list(hidden, a["top_k_index"], w, gate_up, *(a[n] for n in lists[1:]), [16, 16])
+
+    hidden, w = torch.stack([a["hidden"], b["hidden"]]), torch.stack([a["top_k_weights"], b["top_k_weights"]])
+    gate_up = [torch.stack([x, y]) for x, y in zip(a["gate_up_proj"], b["gate_up_proj"])]
+    for in_dims in ((None, 0, None), (0, 0, None), (0, None, 0)):  # also a batched Tensor[]
+        args = [(hidden, w, gate_up)[i] if d == 0 else (a["hidden"], a["top_k_weights"], a["gate_up_proj"])[i]
+                for i, d in enumerate(in_dims)]
+        got = torch.func.vmap(f, in_dims=in_dims)(*args)
+        want = torch.stack([f(*[x if d is None else (x[s] if isinstance(x, torch.Tensor) else [t[s] for t in x])
+                                for x, d in zip(args, in_dims)]) for s in range(2)])
+        assert got.shape == (2, 5, 64) and torch.equal(got, want), in_dims
+
+
 def test_compile_fullgraph_dynamic():
     torch._dynamo.reset()
     a = as_expert_lists(make_experts_inputs(7, 3, 64, 32, 2, [16, 16]), separate=True)
