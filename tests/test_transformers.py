@@ -412,6 +412,32 @@ def test_quantize_experts_keeps_shared_experts_shared():
     assert model.model.layers[1].mlp.experts is new and model.model.layers[0].mlp.experts_alias is new
 
 
+class _SeparateGateUpExperts(torch.nn.Module):
+    """A family's shared experts with 3-D gate_proj / up_proj / down_proj and a forward of
+    their own (Inkling's, say): not the experts interface's fused layout."""
+
+    def __init__(self, E=2, H=64, I=32):
+        super().__init__()
+        self.gate_proj = torch.nn.Parameter(torch.randn(E, I, H))
+        self.up_proj = torch.nn.Parameter(torch.randn(E, I, H))
+        self.down_proj = torch.nn.Parameter(torch.randn(E, H, I))
+
+
+def test_quantize_experts_leaves_experts_without_a_fused_gate_up_with_a_warning():
+    # one such module beside the routed experts used to refuse the whole model
+    model = bf16_model()
+    other = _SeparateGateUpExperts()
+    model.model.layers[0].mlp.register_module("shared_experts_3d", other)
+    with pytest.warns(UserWarning, match=r"left \w+\.shared_experts_3d \(_SeparateGateUpExperts\) in their own dtype"):
+        integration.quantize_experts(model)
+    assert isinstance(model.model.layers[0].mlp.experts, FP8Experts)
+    assert model.model.layers[0].mlp.shared_experts_3d is other
+    holder = torch.nn.Module()
+    holder.only = _SeparateGateUpExperts()
+    with pytest.raises(ValueError, match=r"found none \(0 already quantised; without a fused gate_up_proj: 1\)"):
+        integration.quantize_experts(holder)
+
+
 def test_quantize_experts_rejects_bad_arguments():
     ref = bf16_model()
     with pytest.raises(ValueError, match="calibration_batches"):
@@ -424,6 +450,10 @@ def test_quantize_experts_rejects_bad_arguments():
         integration.quantize_experts(torch.nn.Linear(4, 4))
     with pytest.raises(ValueError, match=r"found none \(2 already quantised\)"):
         integration.quantize_experts(integration.quantize_experts(copy.deepcopy(ref)))
+    # the experts module itself: replaced where it is held, so its parent is what to pass
+    with pytest.raises(ValueError, match=r"model: expected a module containing the experts .* got the experts "
+                                         r"module \w+ itself"):
+        integration.quantize_experts(copy.deepcopy(ref).model.layers[0].mlp.experts)
     ids = batches()[0]
     # one batch, not a list of batches: its rows would have been fed as batches
     with pytest.raises(TypeError, match=r"calibration_batches: expected an iterable of batches .*, got Tensor"):

@@ -34,6 +34,7 @@ transformers' FP8 layout, and how it maps onto the ops (see ``docs/integrations.
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 
 import torch
@@ -346,6 +347,10 @@ def quantize_experts(
         block_size, scale_dtype: weight quantisation (see :func:`fp8_moe_ops.quantize_weight`).
         dispatch: ``"grouped"``, ``"batched"`` or ``"eager"``.
 
+    A module with a 3-D ``down_proj`` but no fused ``gate_up_proj`` (e.g. a family's shared
+    experts with separate 3-D ``gate_proj`` / ``up_proj``) is left as it is, with a
+    ``UserWarning`` naming it.
+
     Returns ``model``.  Raises ``NotImplementedError`` naming any expert feature the ops
     cannot express (ungated or biased experts, gpt-oss ``swiglu_alpha``, custom gates,
     unsupported activations) before changing anything; where calibration fails (an error
@@ -365,6 +370,7 @@ def quantize_experts(
     check_batches(calibration_batches, "[input_ids]")
 
     found, places, already = {}, [], set()  # each experts module once -> its activation; where each is; quantised
+    skipped = []  # modules with a 3-D down_proj but no fused gate_up_proj
     for parent in model.modules():
         # _modules, not named_children(): that one lists a module held twice by one parent once; a module
         # held in several places becomes one FP8Experts held in the same places (shared, as it was)
@@ -381,9 +387,12 @@ def quantize_experts(
                             type(parent).__name__, name, child.down_proj.dtype)
                 already.add(child)
                 continue
-            _check_gating(child, allow_transposed=True)
+            _check_gating(child, allow_transposed=True)  # (the interface's flags: ungated ones refused)
             if not isinstance(getattr(child, "gate_up_proj", None), torch.Tensor):
-                raise NotImplementedError(f"{type(child).__name__}: expected a fused gate_up_proj (E, 2I, H), found none")
+                # not the experts interface's layout (say a family's shared experts with 3-D
+                # gate_proj / up_proj and a forward of their own): the others are still quantised
+                skipped.append(f"{type(parent).__name__}.{name} ({type(child).__name__})")
+                continue
             gate = getattr(type(child), "_apply_gate", None)
             if gate is not None and gate is not getattr(_tf_moe, "_default_apply_gate", gate):
                 raise NotImplementedError(
@@ -392,8 +401,16 @@ def quantize_experts(
             found[child] = _activation_name(getattr(child, "act_fn", None))
             places.append((parent, name, child))
     if not found:
+        if _is_fused_experts(model) and not isinstance(model, FP8Experts):
+            raise ValueError(f"model: expected a module containing the experts (their parent, e.g. the MoE block or the "
+                             f"whole model: they are replaced where they are held), got the experts module "
+                             f"{type(model).__name__} itself")
         raise ValueError("model: expected fused experts modules (3-D gate_up_proj / down_proj float parameters), "
-                         f"found none ({len(already)} already quantised)")
+                         f"found none ({len(already)} already quantised"
+                         f"{f'; without a fused gate_up_proj: {len(skipped)}' if skipped else ''})")
+    if skipped:
+        warnings.warn(f"quantize_experts: left {', '.join(skipped)} in their own dtype: a 3-D down_proj without a fused "
+                      "gate_up_proj (E, 2I, H) is not the transformers experts layout the ops take", stacklevel=2)
 
     new_experts = {}
     for child, activation in found.items():
