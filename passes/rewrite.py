@@ -229,18 +229,22 @@ def _erase_dead_nonzeros(graph: Graph, nzs: list) -> None:
 def rewrite_moe_loops(graph: Graph) -> int:
     """Rewrites every provable expert loop of ``graph``; returns how many.  Every loop
     left eager is counted and logged: those it reads as loops with their reason, then
-    the calls of ``fp8_moe::linear`` on selected rows in no chain it reads
-    (:func:`_unread_loops`).  An error of the pass itself while it reads a loop leaves
-    that loop eager too (counted, and logged as a warning): never the compile's failure."""
+    the expert loops in no chain it reads (:func:`_unread_loops`).  An error of the pass
+    itself while it reads the graph leaves the loop it was reading eager (counted, and
+    logged as a warning with the traceback), or, in a search over the whole graph, that
+    search's loops uncounted: never the compile's failure.  (A loop proven and checked is
+    then rewritten in place; an error there, which would leave the graph half changed,
+    propagates.)"""
     linears = graph.find_nodes(op="call_function", target=LINEAR)
     if not linears:
         return 0
     done, seen = 0, set()  # seen: the nodes above the chains counted as skipped
-    for head in chain_heads(graph, ACCUMULATIONS):
+    for head in _guarded(lambda: chain_heads(graph, ACCUMULATIONS), []):
         if head._erased:  # dead code of an earlier rewrite
             continue
-        steps = collect_chain(head)
+        steps = [head]
         try:
+            steps = collect_chain(head)
             candidate = find_loop(steps)
             if candidate is None:
                 continue
@@ -248,11 +252,11 @@ def rewrite_moe_loops(graph: Graph) -> int:
             prepared = _prepare(graph, loop)
         except Skip as skip:
             _skipped("static" if skip.static else "unsupported", steps, skip)
-            seen |= _above(_with_rest(steps, accumulation_step))
+            seen |= _claimed(steps, accumulation_step)
             continue
         except Exception as exc:  # a bug of the pass: the loop stays as it is
             _failed(steps, exc)
-            seen |= _above(_with_rest(steps, accumulation_step))
+            seen |= _claimed(steps, accumulation_step)
             continue
         op = _rewrite(graph, loop, prepared)
         counters["fp8_moe"]["loops_rewritten"] += 1
@@ -260,7 +264,7 @@ def rewrite_moe_loops(graph: Graph) -> int:
         log.info("fp8_moe_ops.passes: replaced a loop over %d experts with %s "
                  "(activation=%s, swiglu_limit=%s, %s)", len(steps), op, loop.iters[0].activation.name,
                  loop.iters[0].activation.limit, loop.numerics)
-    for steps in read_modify_write_chains(graph):
+    for steps in _guarded(lambda: read_modify_write_chains(graph), []):
         kind = "unsupported"
         try:
             if find_loop(steps, read_modify_write_step) is None:
@@ -271,12 +275,29 @@ def rewrite_moe_loops(graph: Graph) -> int:
             reason, kind = skip, ("static" if skip.static else "unsupported")
         except Exception as exc:
             _failed(steps, exc)
-            seen |= _above(_with_rest(steps, read_modify_write_step))
+            seen |= _claimed(steps, read_modify_write_step)
             continue
         _skipped(kind, steps, reason)
-        seen |= _above(_with_rest(steps, read_modify_write_step))
-    _unread_loops(graph, seen)
+        seen |= _claimed(steps, read_modify_write_step)
+    _guarded(lambda: _unread_loops(graph, seen), None)
     return done
+
+
+def _guarded(search, default):
+    """``search()``, or ``default`` where it raises (a bug of the pass: logged as a
+    warning, and what it would have found is left as it is)."""
+    try:
+        return search()
+    except Exception as exc:
+        log.warning("fp8_moe_ops.passes: the pass failed while searching the graph; what it would have found is "
+                    "left eager and uncounted", exc_info=exc)
+        return default
+
+
+def _claimed(steps: list, step_of) -> set:
+    """The nodes of a loop counted as skipped, for :func:`_unread_loops` (empty where
+    finding them fails: a bug of the pass, logged)."""
+    return _guarded(lambda: _above(_with_rest(steps, step_of)), set())
 
 
 # how far above a node the searches for a loop's parts look (an expert's body is a
@@ -316,10 +337,13 @@ def _unary_above(n, depth: int = 6):
         n, depth = inputs[0], depth - 1
 
 
-def _selected_rows(x) -> Node | None:
-    """The node selecting the rows of ``x`` (an ``fp8_moe::linear`` input) where they are
-    rows of a tensor indexed by a ``nonzero`` result or a boolean mask (an expert's
-    tokens: ``hidden[tok]``, ``hidden.index_select(0, tok)``, ``hidden[mask]``), or None."""
+def _selected_rows(x) -> tuple[Node, Node] | None:
+    """(the selection, the routing tensor it compares) where the rows of ``x`` (an
+    ``fp8_moe::linear`` input) are an expert's tokens: rows of a tensor indexed
+    (``hidden[tok]``, ``hidden.index_select(0, tok)``, ``hidden[mask]``) by a boolean mask
+    or a ``nonzero`` of one, the mask an equality of a routing tensor with an expert id
+    (``top_k_index == e``) or a row of one (``one_hot(...).permute(2, 1, 0)[e]``); else
+    None (a padding mask, a label mask: not an expert's rows)."""
     for n in _unary_above(x):
         if is_call(n, aten.index.Tensor):
             index = [i for i in n.args[1] if isinstance(i, Node)]
@@ -328,35 +352,52 @@ def _selected_rows(x) -> Node | None:
         else:
             continue
         for i in index:
-            if getattr(i.meta.get("val"), "dtype", None) == torch.bool:
-                return i
-            for m in _unary_above(i):
-                if is_call(m, aten.nonzero.default):
-                    return m
+            masks = [i] if getattr(i.meta.get("val"), "dtype", None) == torch.bool else \
+                [m.args[0] for m in _unary_above(i) if is_call(m, aten.nonzero.default)][:1]
+            for mask in masks:
+                source = _compared(mask)
+                if source is not None:
+                    return mask, source
         return None
     return None
 
 
+def _compared(mask: Node) -> Node | None:
+    """The tensor whose equality with a number (or whose row) ``mask`` is, a few unary
+    ops above it, or None."""
+    for m in _unary_above(mask):
+        if is_call(m, aten.eq.Scalar) and isinstance(m.args[0], Node):
+            return m.args[0]
+        if is_call(m, aten.select.int) and isinstance(m.args[0], Node):
+            return m.args[0]
+    return None
+
+
 def _unread_loops(graph: Graph, seen: set) -> None:
-    """Counts (once per graph) the calls of ``fp8_moe::linear`` left in ``graph`` whose
-    input rows are selected by a ``nonzero`` or a boolean mask and that belong to no
-    chain read above (``seen``): a loop over experts that the pass does not read as one,
-    which would otherwise stay eager without a word."""
-    selections, static = set(), False
+    """Counts the expert loops that no chain read above covers (``seen``), one per
+    routing tensor: the calls of ``fp8_moe::linear`` left in ``graph`` whose input rows
+    are an expert's tokens (:func:`_selected_rows`), where at least two experts' are
+    selected from one routing tensor.  Such a loop would otherwise stay eager without a
+    word (a spelling of its accumulation that the pass does not read)."""
+    loops: dict = {}  # routing tensor -> {selection: static}
     for n in graph.find_nodes(op="call_function", target=LINEAR):
         if n in seen:
             continue
-        rows = _selected_rows(n.args[0])
-        if rows is not None:
-            selections.add(rows)
-            static |= len(n.args) > 4 and n.args[4] is not None or n.kwargs.get("act_scale") is not None
-    if not selections:
-        return
-    reason = (f"its experts' fp8_moe::linear calls take rows selected by torch.where / nonzero or a boolean mask, but "
-              f"no accumulation the pass reads adds them up (out.index_add_(0, tok, v), index_put_ with "
-              f"accumulate=True or scatter_add_ of tok[:, None].expand_as(v), tok a torch.where coordinate"
-              f"{'; its activation scheme is static as well' if static else ''})")
-    _skipped("static" if static else "unsupported", [None] * len(selections), reason)
+        found = _selected_rows(n.args[0])
+        if found is not None:
+            selection, source = found
+            static = len(n.args) > 4 and n.args[4] is not None or n.kwargs.get("act_scale") is not None
+            experts = loops.setdefault(source, {})
+            experts[selection] = experts.get(selection, False) or static
+    for experts in loops.values():
+        if len(experts) < 2:
+            continue
+        static = any(experts.values())
+        reason = (f"its experts' fp8_moe::linear calls take rows selected by torch.where / nonzero or a boolean "
+                  f"mask, but no accumulation the pass reads adds them up (out.index_add_(0, tok, v), index_put_ "
+                  f"with accumulate=True or scatter_add_ of tok[:, None].expand_as(v), tok a torch.where "
+                  f"coordinate{'; its activation scheme is static as well' if static else ''})")
+        _skipped("static" if static else "unsupported", [None] * len(experts), reason)
 
 
 def _failed(steps: list, exc: Exception) -> None:
