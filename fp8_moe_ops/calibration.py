@@ -131,10 +131,22 @@ def calibrate_static_scales(model: nn.Module, calibration_batches: Iterable) -> 
         # over the group, every layer's before anything raises (collectives, in the same
         # order on every rank), so that every rank raises alike and calibrates as one
         # process holding every expert would
-        shared = {m: ep._calibration_maxima(m._observer) for m, ep in _expert_parallel(model).items()
-                  if m in names}
-        for m in targets:
-            _check_finite(m, names[m], shared.get(m))
+        layers = _expert_parallel(model)
+        shared = {m: ep._calibration_maxima(m._observer) for m, ep in layers.items() if m in names}
+        refusal = None
+        try:
+            for m in targets:
+                _check_finite(m, names[m], shared.get(m))
+        except ValueError as e:
+            refusal = e
+        # and a refusal on any rank (say a NaN in a linear of its own) is every rank's
+        spread = list(layers.values())
+        if spread and spread[0]._any_rank_failed(spread, refusal is not None) and refusal is None:
+            raise ValueError("calibration_batches: expected finite activations on every rank, got a NaN or Inf "
+                             "on another rank of the expert-parallel group (its error names the module); no "
+                             "module is made static")
+        if refusal is not None:
+            raise refusal
         unseen = []
         for m in targets:
             scales = _scale_from_amax(m._observer, shared[m][1] if m in shared else None)

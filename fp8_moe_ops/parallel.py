@@ -273,6 +273,23 @@ class ExpertParallel(nn.Module):
         code = int(code)
         return (None if code == 2 * E else divmod(code, E)), seen
 
+    @staticmethod
+    def _any_rank_failed(layers: list, failed: bool) -> bool:
+        """Whether ``failed`` holds on any rank of the groups of ``layers`` (the
+        ``ExpertParallel`` modules of a model, in module order; one all-reduce per distinct
+        group, a collective every rank makes): a calibration that one rank refuses is
+        refused by all, so that no rank goes on with static scales the others lack."""
+        result, groups = failed, []
+        for layer in layers:
+            if any(g is layer.group for g in groups):
+                continue
+            groups.append(layer.group)
+            device = layer.local_experts.gate_up_proj.device
+            flag = torch.tensor([int(failed)], dtype=torch.int32, device=device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=layer.group)
+            result = result or bool(flag)
+        return result
+
     def _check(self, hidden_states, top_k_index, top_k_weights) -> None:
         """The checks of ``FP8Experts.forward`` (dtypes, shapes, top_k >= 1, the local
         experts' device), for 2-D hidden states; and that ``local_experts`` (an attribute

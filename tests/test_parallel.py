@@ -111,7 +111,31 @@ def _calibrate(rank: int) -> dict:
         calibrate_static_scales(ep, calibration_batches("some_unseen", rank, nan=True))
     except ValueError as e:
         results["nan"] = (str(e), ep.local_experts.activation_scheme)
+    # an Inf that reaches a linear of rank 0 alone (after the experts): both ranks refuse
+    model = _WithHead(ExpertParallel(shard_experts(full_experts(False), rank, WORLD), E))
+    batches = [(*b, torch.full((b[0].shape[0], H), float("inf") if rank == 0 else 0.0))
+               for b in calibration_batches("some_unseen", rank)]
+    try:
+        calibrate_static_scales(model, batches)
+    except ValueError as e:
+        results["head_inf"] = (str(e), model.ep.local_experts.activation_scheme, model.head.activation_scheme)
     return results
+
+
+class _WithHead(torch.nn.Module):
+    """Experts over ranks, then a linear of each rank's own (its input ``extra`` added)."""
+
+    def __init__(self, ep):
+        super().__init__()
+        from fp8_moe_ops import FP8Linear
+
+        self.ep = ep
+        gen = torch.Generator().manual_seed(5)
+        self.head = FP8Linear.from_float(torch.nn.Linear(H, H, bias=False).requires_grad_(False), block_size=BLOCK)
+        self.head.weight.data = (torch.randn(H, H, generator=gen) * 0.1).to(self.head.weight.dtype)
+
+    def forward(self, hidden, idx, weights, extra):
+        return self.head(self.ep(hidden, idx, weights) + extra.to(hidden.dtype))
 
 
 def _worker(rank: int, store_path: str, out_dir: str) -> None:
@@ -240,6 +264,17 @@ def test_calibration_over_ranks_refuses_a_nan_on_every_rank(ep_outputs):
         message, scheme = ep_outputs["calibration", r]["nan"]
         assert "the gate_up input of expert 5" in message and "model.local_experts" in message, message
         assert scheme == "dynamic"
+
+
+def test_calibration_over_ranks_refused_on_one_rank_is_refused_on_every_rank(ep_outputs):
+    """An Inf reaching rank 0's own linear: rank 0 names it, rank 1 says another rank
+    refused; every module stays dynamic on both (before, rank 1 went static alone and a
+    retry there refused at once while rank 0 waited in the forward's collectives)."""
+    message, experts, head = ep_outputs["calibration", 0]["head_inf"]
+    assert "NaN or Inf in model.head (FP8Linear)" in message, message
+    message, experts_1, head_1 = ep_outputs["calibration", 1]["head_inf"]
+    assert "got a NaN or Inf on another rank of the expert-parallel group" in message, message
+    assert (experts, head, experts_1, head_1) == ("dynamic",) * 4
 
 
 def test_single_process_group(tmp_path):

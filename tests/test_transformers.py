@@ -428,7 +428,9 @@ def test_quantize_experts_leaves_experts_without_a_fused_gate_up_with_a_warning(
     model = bf16_model()
     other = _SeparateGateUpExperts()
     model.model.layers[0].mlp.register_module("shared_experts_3d", other)
-    with pytest.warns(UserWarning, match=r"left \w+\.shared_experts_3d \(_SeparateGateUpExperts\) in their own dtype"):
+    model.model.layers[1].mlp.register_module("shared_experts_3d", other)  # named once
+    with pytest.warns(UserWarning, match=r"left \w+\.shared_experts_3d \(_SeparateGateUpExperts\) in their own "
+                                         r"dtype: a 3-D"):
         integration.quantize_experts(model)
     assert isinstance(model.model.layers[0].mlp.experts, FP8Experts)
     assert model.model.layers[0].mlp.shared_experts_3d is other
@@ -436,6 +438,8 @@ def test_quantize_experts_leaves_experts_without_a_fused_gate_up_with_a_warning(
     holder.only = _SeparateGateUpExperts()
     with pytest.raises(ValueError, match=r"found none \(0 already quantised; without a fused gate_up_proj: 1\)"):
         integration.quantize_experts(holder)
+    with pytest.raises(ValueError, match=r"found none \(0 already quantised\)"):  # not "itself": no such experts
+        integration.quantize_experts(holder.only)
 
 
 def test_quantize_experts_rejects_bad_arguments():

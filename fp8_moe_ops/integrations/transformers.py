@@ -370,7 +370,7 @@ def quantize_experts(
     check_batches(calibration_batches, "[input_ids]")
 
     found, places, already = {}, [], set()  # each experts module once -> its activation; where each is; quantised
-    skipped = []  # modules with a 3-D down_proj but no fused gate_up_proj
+    skipped = {}  # modules with a 3-D down_proj but no fused gate_up_proj -> where one is held
     for parent in model.modules():
         # _modules, not named_children(): that one lists a module held twice by one parent once; a module
         # held in several places becomes one FP8Experts held in the same places (shared, as it was)
@@ -391,7 +391,7 @@ def quantize_experts(
             if not isinstance(getattr(child, "gate_up_proj", None), torch.Tensor):
                 # not the experts interface's layout (say a family's shared experts with 3-D
                 # gate_proj / up_proj and a forward of their own): the others are still quantised
-                skipped.append(f"{type(parent).__name__}.{name} ({type(child).__name__})")
+                skipped.setdefault(child, f"{type(parent).__name__}.{name} ({type(child).__name__})")
                 continue
             gate = getattr(type(child), "_apply_gate", None)
             if gate is not None and gate is not getattr(_tf_moe, "_default_apply_gate", gate):
@@ -401,7 +401,8 @@ def quantize_experts(
             found[child] = _activation_name(getattr(child, "act_fn", None))
             places.append((parent, name, child))
     if not found:
-        if _is_fused_experts(model) and not isinstance(model, FP8Experts):
+        if _is_fused_experts(model) and isinstance(getattr(model, "gate_up_proj", None), torch.Tensor) \
+                and model.down_proj.is_floating_point() and model.down_proj.element_size() > 1:
             raise ValueError(f"model: expected a module containing the experts (their parent, e.g. the MoE block or the "
                              f"whole model: they are replaced where they are held), got the experts module "
                              f"{type(model).__name__} itself")
@@ -409,7 +410,7 @@ def quantize_experts(
                          f"found none ({len(already)} already quantised"
                          f"{f'; without a fused gate_up_proj: {len(skipped)}' if skipped else ''})")
     if skipped:
-        warnings.warn(f"quantize_experts: left {', '.join(skipped)} in their own dtype: a 3-D down_proj without a fused "
+        warnings.warn(f"quantize_experts: left {', '.join(skipped.values())} in their own dtype: a 3-D down_proj without a fused "
                       "gate_up_proj (E, 2I, H) is not the transformers experts layout the ops take", stacklevel=2)
 
     new_experts = {}
