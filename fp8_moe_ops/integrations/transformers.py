@@ -430,5 +430,20 @@ def quantize_experts(
             for parent, name, child in places:  # the model as it was: the call can be retried
                 setattr(parent, name, child)
             raise
+    if isinstance(model, _tf_modeling_utils.PreTrainedModel):
+        # its checkpoint would load as garbage (docs/integrations.md, "Saving"): refused
+        model.save_pretrained = _refuse_save_pretrained
     logger.info("quantize_experts: %d experts modules quantised (%s, dispatch=%s)", len(found), activation_scheme, dispatch)
     return model
+
+
+def _refuse_save_pretrained(*args, **kwargs):
+    """``save_pretrained`` of a model :func:`quantize_experts` changed (an attribute of the
+    model, over transformers' method): its files would hold fp8 expert weights under the
+    bf16 model's names, without scales or a quantization config, and ``from_pretrained``
+    would load them into bf16 experts without a word."""
+    raise NotImplementedError(
+        "save_pretrained: a model whose experts quantize_experts replaced has no transformers checkpoint format "
+        "(from_pretrained would load its fp8 weights into bf16 experts, without their scales); save "
+        "model.state_dict() with torch.save, and to load, run quantize_experts on a model built from the same config "
+        "(same scheme, block_size and scale_dtype) and load_state_dict into it (docs/integrations.md, \"Saving\")")
