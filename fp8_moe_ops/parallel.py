@@ -90,8 +90,9 @@ def shard_experts(experts: FP8Experts, rank: int, world_size: int) -> FP8Experts
 
 
 def _integer(value, name: str) -> int:
-    """``value`` as a Python int: an int or any other integer (numpy's), not a bool."""
-    if not isinstance(value, bool):
+    """``value`` as a Python int: an int or any other integer (numpy's), not a bool (nor
+    a tensor, whose ``__index__`` takes a one-element bool tensor too)."""
+    if not isinstance(value, (bool, torch.Tensor)):
         try:
             return operator.index(value)
         except TypeError:
@@ -135,7 +136,7 @@ class ExpertParallel(nn.Module):
                              f"(global rank {dist.get_rank()})")
         self.num_experts = _integer(num_experts, "num_experts")
         self.group = group
-        self._layout_rows: dict = {}  # (dtype, k, device) -> _layout_row
+        self._layout_rows: dict = {}  # (its values, device) -> _layout_row
         self._check_local(local_experts)
         self.local_experts = local_experts
 
@@ -224,15 +225,16 @@ class ExpertParallel(nn.Module):
         return [k, ACT_DTYPES.index(dtype), self.local_experts.num_experts, self.local_experts.hidden_size]
 
     def _layout_row(self, dtype: torch.dtype, k: int, device: torch.device) -> torch.Tensor:
-        """:meth:`_layout` as a (1, 4) int64 tensor on ``device``, made once per (dtype, k,
-        device): a copy to a GPU each call would wait for the stream.  (Compiled: a constant
-        of the graph.)"""
+        """:meth:`_layout` as a (1, 4) int64 tensor on ``device``, made once per its values
+        and device (a replaced ``local_experts`` has its own): a copy to a GPU each call would
+        wait for the stream.  (Compiled: a constant of the graph.)"""
+        values = self._layout(dtype, k)
         if torch.compiler.is_compiling():
-            return torch.tensor([self._layout(dtype, k)], device=device)
-        key = (dtype, k, device)
+            return torch.tensor([values], device=device)
+        key = (tuple(values), device)
         row = self._layout_rows.get(key)
         if row is None:
-            row = self._layout_rows[key] = torch.tensor([self._layout(dtype, k)], device=device)
+            row = self._layout_rows[key] = torch.tensor([values], device=device)
         return row
 
     def _check_layouts(self, mine: list, layouts: list) -> None:
@@ -275,20 +277,24 @@ class ExpertParallel(nn.Module):
 
     @staticmethod
     def _any_rank_failed(layers: list, failed: bool) -> bool:
-        """Whether ``failed`` holds on any rank of the groups of ``layers`` (the
-        ``ExpertParallel`` modules of a model, in module order; one all-reduce per distinct
-        group, a collective every rank makes): a calibration that one rank refuses is
-        refused by all, so that no rank goes on with static scales the others lack."""
-        result, groups = failed, []
+        """Whether ``failed`` holds on any rank that the groups of ``layers`` (the
+        ``ExpertParallel`` modules of a model, in module order) connect, through one
+        all-reduce per distinct group, G rounds of them for G groups (collectives every
+        rank makes): a calibration that one rank refuses is refused by all of them, so
+        that none goes on with static scales the others lack."""
+        groups = []  # (group, a device of its layer)
         for layer in layers:
-            if any(g is layer.group for g in groups):
-                continue
-            groups.append(layer.group)
-            device = layer.local_experts.gate_up_proj.device
-            flag = torch.tensor([int(failed)], dtype=torch.int32, device=device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=layer.group)
-            result = result or bool(flag)
-        return result
+            if not any(g is layer.group for g, _ in groups):
+                groups.append((layer.group, layer.local_experts.gate_up_proj.device))
+        # each rank hands on what it has heard so far, over every group, once per group:
+        # a refusal then crosses any chain of overlapping groups (the ranks of one layer's
+        # pairs, another's cross pairs) to every rank they connect
+        for _ in groups:
+            for group, device in groups:
+                flag = torch.tensor([int(failed)], dtype=torch.int32, device=device)
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+                failed = failed or bool(flag)
+        return failed
 
     def _check(self, hidden_states, top_k_index, top_k_weights) -> None:
         """The checks of ``FP8Experts.forward`` (dtypes, shapes, top_k >= 1, the local

@@ -157,6 +157,19 @@ def _worker(rank: int, store_path: str, out_dir: str) -> None:
             ExpertParallel(shard_experts(full_experts(False), 0, WORLD), E)
         except ValueError as e:
             refusals.append(str(e))
+        # local_experts replaced after a call by a layer of another hidden size on rank 1 only:
+        # refused on both ranks by the layout check (a layout row cached before the swap
+        # carried the old size, and the rows were read at the wrong width: an abort)
+        ep = ExpertParallel(shard_experts(full_experts(False), rank, WORLD), E)
+        ep(*rank_inputs("uneven", rank))
+        hidden, idx, weights = rank_inputs("uneven", rank)
+        if rank == 1:
+            ep.local_experts = shard_experts(full_experts(False, 96), rank, WORLD)
+            hidden = torch.randn(hidden.shape[0], 96).to(hidden.dtype)
+        try:
+            ep(hidden, idx, weights)
+        except ValueError as e:
+            refusals.append(str(e))
         # ranks that disagree on top_k: each raises, naming it (none waits in a collective);
         # their rows used to be read with the other rank's width (an abort, or wrong values)
         ep = ExpertParallel(shard_experts(full_experts(False), rank, WORLD), E)
@@ -235,9 +248,11 @@ def test_one_rank_all_sentinels_gives_zeros(ep_outputs):
 
 def test_ranks_that_disagree_raise_naming_the_argument(ep_outputs):
     assert ep_outputs["refusals", 0] == [
+        "local_experts: expected the hidden_size of every rank's call, 64 on rank 0 (this one), got 96 on rank 1",
         f"top_k_index: expected the top_k of every rank's call, {K} on rank 0 (this one), got {K - 1} on rank 1"]
     assert ep_outputs["refusals", 1] == [
         "local_experts: expected this rank's shard, shard_experts(experts, 1, 2), got shard_experts(experts, 0, 2)",
+        "local_experts: expected the hidden_size of every rank's call, 96 on rank 1 (this one), got 64 on rank 0",
         f"top_k_index: expected the top_k of every rank's call, {K - 1} on rank 1 (this one), got {K} on rank 0",
         "group: expected a process group this process belongs to, got one without it (global rank 1)"]
 
@@ -275,6 +290,44 @@ def test_calibration_over_ranks_refused_on_one_rank_is_refused_on_every_rank(ep_
     message, experts_1, head_1 = ep_outputs["calibration", 1]["head_inf"]
     assert "got a NaN or Inf on another rank of the expert-parallel group" in message, message
     assert (experts, head, experts_1, head_1) == ("dynamic",) * 4
+
+
+def _refusal_worker(rank: int, store_path: str, out_dir: str) -> None:
+    """Four ranks, two layers' groups: pairs {0, 1}, {2, 3}, then cross pairs {0, 2},
+    {1, 3}; a refusal on rank 0 only, and on none."""
+    from types import SimpleNamespace
+
+    try:
+        dist.init_process_group("gloo", store=dist.FileStore(store_path, 4), rank=rank, world_size=4)
+        groups = {}
+        for members in ([0, 1], [2, 3], [0, 2], [1, 3]):  # (every rank makes every group, in order)
+            groups[tuple(members)] = dist.new_group(members)
+        layers = [SimpleNamespace(group=groups[g], local_experts=SimpleNamespace(gate_up_proj=torch.zeros(1)))
+                  for g in ((0, 1) if rank < 2 else (2, 3), (0, 2) if rank % 2 == 0 else (1, 3))]
+        heard = [ExpertParallel._any_rank_failed(layers, rank == 0), ExpertParallel._any_rank_failed(layers, False)]
+        torch.save(heard, os.path.join(out_dir, f"heard_{rank}.pt"))
+        dist.destroy_process_group()
+    except BaseException:
+        with open(os.path.join(out_dir, f"error_{rank}.txt"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+
+
+def test_a_refusal_reaches_every_rank_through_overlapping_groups(tmp_path):
+    # each all-reduce used to hand on the rank's own flag: rank 3, whose groups hold no
+    # refusing rank, went on alone (and a retry there refused while the others waited)
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_refusal_worker, args=(r, str(tmp_path / "store"), str(tmp_path))) for r in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(TIMEOUT_S)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    errors = [f.read_text() for f in sorted(tmp_path.glob("error_*.txt"))]
+    assert not errors and all(p.exitcode == 0 for p in procs), "\n".join(errors)
+    assert [torch.load(tmp_path / f"heard_{r}.pt") for r in range(4)] == [[True, False]] * 4
 
 
 def test_single_process_group(tmp_path):
@@ -400,6 +453,8 @@ def test_shard_experts_bad_input():
         shard_experts(full, True, 2)
     with pytest.raises(TypeError, match="world_size: expected an int, got str '2'"):
         shard_experts(full, 0, "2")
+    with pytest.raises(TypeError, match="rank: expected an int, got Tensor"):
+        shard_experts(full, torch.tensor(True), 2)
     assert shard_experts(full, np.int32(1), np.int64(2))._shard == (1, 2)
 
 
