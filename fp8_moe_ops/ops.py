@@ -393,6 +393,9 @@ def _per_sample(op):
     along dim 0 (what vmap's generic fallback does for the ops without a ``Tensor[]``)."""
 
     def rule(info, in_dims, *args):
+        if info.batch_size == 0:
+            raise ValueError(f"{op.name()}: torch.func.vmap over an empty batch (no sample to run the op on)")
+
         def sample(a, dim, b):
             if isinstance(a, (list, tuple)):
                 dims = dim if isinstance(dim, (list, tuple)) else [dim] * len(a)

@@ -6,7 +6,8 @@ Data flow of :class:`ExpertParallel` on every rank (S = T_r * k slots; see docs/
    rank that owns at least one of its experts (not once per slot): a row of its k
    local expert ids on that rank as int32, -1 for the slots elsewhere, followed by its
    activations (as bytes: gloo has no bfloat16 or fp8 all-to-all).  Rows are
-   ordered by destination rank, then token.
+   ordered by destination rank, then token.  The receiver copies the ids of its rows out
+   whole (the row stride, 4k + H * itemsize bytes, need not be a multiple of 4).
 2. ``all_to_all_single`` of the (rows, slots) counts per rank; one host sync turns them
    into split sizes.  Then ``all_to_all_single`` of the rows.
 3. The receiver expands the rows into its valid slots, in (source, token, choice)
@@ -172,7 +173,7 @@ class ExpertParallel(nn.Module):
         row_rank, row_tok = rows // max(T, 1), rows % max(T, 1)
         # each row carries its token's local expert ids on that rank, -1 for the other slots
         local = torch.where(owner[row_tok] == row_rank[:, None], ids[row_tok] - row_rank[:, None] * n_local, -1)
-        # the int32 ids first: a row's bytes start 4-byte aligned whatever H and the dtype
+        # the int32 ids first (the receiver copies them out of its rows: see the module doc)
         payload = torch.cat([_as_bytes(local.to(torch.int32)), _as_bytes(hidden_states[row_tok])], dim=1)
         counts = torch.stack([hit.sum(1), (owner.reshape(1, -1) == ranks[:, None]).sum(1)], dim=1)  # (world, 2)
         # and what every rank must agree on to read the others' rows (checked on receipt)
@@ -279,17 +280,18 @@ class ExpertParallel(nn.Module):
     def _any_rank_failed(layers: list, failed: bool) -> bool:
         """Whether ``failed`` holds on any rank that the groups of ``layers`` (the
         ``ExpertParallel`` modules of a model, in module order) connect, through one
-        all-reduce per distinct group, G rounds of them for G groups (collectives every
-        rank makes): a calibration that one rank refuses is refused by all of them, so
+        all-reduce per distinct group, in W rounds for the W ranks of the default group
+        (collectives every rank makes; a few small ones per rank and group, once per
+        calibration): a calibration that one rank refuses is refused by all of them, so
         that none goes on with static scales the others lack."""
         groups = []  # (group, a device of its layer)
         for layer in layers:
             if not any(g is layer.group for g, _ in groups):
                 groups.append((layer.group, layer.local_experts.gate_up_proj.device))
-        # each rank hands on what it has heard so far, over every group, once per group:
-        # a refusal then crosses any chain of overlapping groups (the ranks of one layer's
-        # pairs, another's cross pairs) to every rank they connect
-        for _ in groups:
+        # each rank hands on what it has heard so far, over every group, in as many rounds as
+        # there are ranks: a refusal then crosses any chain of overlapping groups (one
+        # layer's pairs, another's shifted pairs: a ring) to every rank they connect
+        for _ in range(dist.get_world_size()):
             for group, device in groups:
                 flag = torch.tensor([int(failed)], dtype=torch.int32, device=device)
                 dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)

@@ -337,13 +337,12 @@ def _unary_above(n, depth: int = 6):
         n, depth = inputs[0], depth - 1
 
 
-def _selected_rows(x) -> tuple[Node, Node] | None:
-    """(the selection, the routing tensor it compares) where the rows of ``x`` (an
-    ``fp8_moe::linear`` input) are an expert's tokens: rows of a tensor indexed
-    (``hidden[tok]``, ``hidden.index_select(0, tok)``, ``hidden[mask]``) by a boolean mask
-    or a ``nonzero`` of one, the mask an equality of a routing tensor with an expert id
-    (``top_k_index == e``) or a row of one (``one_hot(...).permute(2, 1, 0)[e]``); else
-    None (a padding mask, a label mask: not an expert's rows)."""
+def _selected_rows(x) -> tuple | None:
+    """(the routing tensor, the expert) where the rows of ``x`` (an ``fp8_moe::linear``
+    input) are an expert's tokens: rows of a tensor indexed (``hidden[tok]``,
+    ``hidden.index_select(0, tok)``, ``hidden[mask]``) by a boolean mask or a ``nonzero``
+    of one, the mask computed from a comparison with an expert (:func:`_expert_of`); else
+    None."""
     for n in _unary_above(x):
         if is_call(n, aten.index.Tensor):
             index = [i for i in n.args[1] if isinstance(i, Node)]
@@ -355,40 +354,73 @@ def _selected_rows(x) -> tuple[Node, Node] | None:
             masks = [i] if getattr(i.meta.get("val"), "dtype", None) == torch.bool else \
                 [m.args[0] for m in _unary_above(i) if is_call(m, aten.nonzero.default)][:1]
             for mask in masks:
-                source = _compared(mask)
-                if source is not None:
-                    return mask, source
+                found = _expert_of(mask)
+                if found is not None:
+                    return found
         return None
     return None
 
 
-def _compared(mask: Node) -> Node | None:
-    """The tensor whose equality with a number (or whose row) ``mask`` is, a few unary
-    ops above it, or None."""
-    for m in _unary_above(mask):
-        if is_call(m, aten.eq.Scalar) and isinstance(m.args[0], Node):
-            return m.args[0]
-        if is_call(m, aten.select.int) and isinstance(m.args[0], Node):
-            return m.args[0]
+def _root(n: Node) -> Node:
+    """The topmost node above ``n`` through ops of one tensor input (views written inside
+    a loop are new nodes on each pass; their root is the tensor they view)."""
+    top = n
+    for top in _unary_above(n, depth=8):
+        pass
+    return top
+
+
+_COMPARED = (aten.eq.Scalar, aten.eq.Tensor)
+
+
+def _expert_of(mask: Node) -> tuple | None:
+    """(the routing tensor, the expert) that ``mask`` selects, from the comparisons a few
+    nodes above it: ``top_k_index == e`` (also of a view or a column of it, or ``|`` of
+    such) gives (the root of ``top_k_index``, e); a row of a computed tensor (a one-hot
+    of ``top_k_index``: ``one_hot(top_k_index).permute(2, 1, 0)[e]``, or a column of its
+    sum) gives (its root, the row).  None where neither is found (a padding mask, a label
+    mask, a row of a mask given as input)."""
+    frontier, seen = [mask], {mask}
+    for _ in range(8):
+        nxt = []
+        for n in frontier:
+            if is_call(n, *_COMPARED) and isinstance(n.args[0], Node):
+                other = n.args[1]
+                if not isinstance(other, Node):
+                    return _root(n.args[0]), ("==", other)
+                if other.op == "get_attr" or not other.all_input_nodes:  # a constant tensor of its own
+                    return _root(n.args[0]), ("==", other)
+            if is_call(n, aten.select.int) and isinstance(n.args[0], Node):
+                top = _root(n.args[0])
+                if top.op == "call_function":  # computed (a one-hot of top_k_index), not a mask given as input
+                    if is_call(top, *_COMPARED) and isinstance(top.args[0], Node):
+                        top = _root(top.args[0])  # the one-hot's top_k_index (one-hots made per expert too)
+                    return top, ("row", n.args[1], n.args[2])  # (before the one-hot's own comparison)
+            for i in n.all_input_nodes:
+                if i not in seen:
+                    seen.add(i)
+                    nxt.append(i)
+        frontier = nxt
     return None
 
 
 def _unread_loops(graph: Graph, seen: set) -> None:
     """Counts the expert loops that no chain read above covers (``seen``), one per
     routing tensor: the calls of ``fp8_moe::linear`` left in ``graph`` whose input rows
-    are an expert's tokens (:func:`_selected_rows`), where at least two experts' are
-    selected from one routing tensor.  Such a loop would otherwise stay eager without a
-    word (a spelling of its accumulation that the pass does not read)."""
-    loops: dict = {}  # routing tensor -> {selection: static}
+    are an expert's tokens (:func:`_selected_rows`), where at least two experts (two
+    values compared, or rows) of one routing tensor are selected.  Such a loop would
+    otherwise stay eager without a word (a spelling of its accumulation that the pass
+    does not read)."""
+    loops: dict = {}  # routing tensor -> {expert: static}
     for n in graph.find_nodes(op="call_function", target=LINEAR):
         if n in seen:
             continue
         found = _selected_rows(n.args[0])
         if found is not None:
-            selection, source = found
+            source, expert = found
             static = len(n.args) > 4 and n.args[4] is not None or n.kwargs.get("act_scale") is not None
             experts = loops.setdefault(source, {})
-            experts[selection] = experts.get(selection, False) or static
+            experts[expert] = experts.get(expert, False) or static
     for experts in loops.values():
         if len(experts) < 2:
             continue

@@ -308,6 +308,8 @@ def test_vmap_runs_the_list_op_per_sample():
         want = torch.stack([f(*[x if d is None else (x[s] if isinstance(x, torch.Tensor) else [t[s] for t in x])
                                 for x, d in zip(args, in_dims)]) for s in range(2)])
         assert got.shape == (2, 5, 64) and torch.equal(got, want), in_dims
+    with pytest.raises(ValueError, match="grouped_experts_list: torch.func.vmap over an empty batch"):
+        torch.func.vmap(f, in_dims=(None, 0, None))(a["hidden"], w[:0], a["gate_up_proj"])
 
 
 def test_compile_fullgraph_dynamic():

@@ -13,6 +13,7 @@ import torch
 import torch._inductor.config as inductor_config
 from expecttest import TestCase
 from torch import nn
+from torch.nn import functional as F
 
 from fp8_moe_ops import FP8Experts, FP8Linear, reference
 from fp8_moe_ops.passes import MoELoopPass
@@ -74,6 +75,43 @@ STATIC_SPELLINGS = [
 ]
 
 
+class _Spelled(nn.Module):
+    """A loop whose accumulation the pass does not read (scatter_reduce_ "sum"), its
+    experts' tokens selected in one of the spellings models use."""
+
+    def __init__(self, spelling):
+        super().__init__()
+        self.ex, self.spelling = experts(), spelling
+
+    def forward(self, hidden, top_k_index, w):
+        ex, sp = self.ex, self.spelling
+        out = torch.zeros(hidden.shape, dtype=torch.float32)
+        em = F.one_hot(top_k_index, num_classes=ex.num_experts).permute(2, 1, 0)
+        for e in range(ex.num_experts):
+            hit = (top_k_index == e)
+            if sp == "one_hot_where":  # transformers 4.x's Mixtral
+                pos, tok = torch.where(em[e])
+                r = w[tok, pos, None]
+            elif sp == "any_mask":
+                tok = hit.any(-1).nonzero().squeeze(-1)
+                r = (w * hit).sum(-1, keepdim=True)[tok]
+            elif sp == "or_mask":  # top-2 spelled per slot
+                tok = torch.where((top_k_index[:, 0] == e) | (top_k_index[:, 1] == e))[0]
+                r = (w * hit).sum(-1, keepdim=True)[tok]
+            elif sp == "flat_slots":  # a view made inside the loop, slots // k
+                flat = (top_k_index.reshape(-1) == e).nonzero().squeeze(-1)
+                tok, r = flat // top_k_index.shape[1], w.reshape(-1)[flat][:, None]
+            else:  # "one_hot_sum": a one-hot made per expert, summed over the slots
+                tok = torch.where(F.one_hot(top_k_index, num_classes=ex.num_experts).sum(1)[:, e] > 0)[0]
+                r = (w * hit).sum(-1, keepdim=True)[tok]
+            h = torch.ops.fp8_moe.linear(hidden[tok], ex.gate_up_proj[e], ex.gate_up_proj_scale_inv[e], ex.block_size)
+            g, u = h.float().chunk(2, -1)
+            a = (F.silu(g) * u).to(h.dtype)
+            y = torch.ops.fp8_moe.linear(a, ex.down_proj[e], ex.down_proj_scale_inv[e], ex.block_size)
+            out.scatter_reduce_(0, tok[:, None].expand(-1, H), y.float() * r.float(), "sum")
+        return out.to(hidden.dtype)
+
+
 class TestNearMisses(TestCase):
     def _assert_untouched(self, model, args, reason, **patches):
         # one compile with the pass on: each graph the pass sees is the one it leaves
@@ -112,6 +150,12 @@ class TestNearMisses(TestCase):
                 m = Loop(experts(), **knobs)
                 self._assert_untouched(m, args, "its experts' fp8_moe::linear calls take rows selected by")
                 torch.testing.assert_close(post_grad(m, *args)[0], m(*args), rtol=0, atol=0)
+
+    def test_loops_not_read_are_counted_whatever_their_token_spelling(self):
+        args = inputs(8, seed=27)
+        for spelling in ("one_hot_where", "any_mask", "or_mask", "flat_slots", "one_hot_sum"):
+            with self.subTest(spelling):
+                self._assert_untouched(_Spelled(spelling), args, "its experts' fp8_moe::linear calls take rows")
 
     def test_static_loops_are_counted_as_static_whatever_else_they_miss(self):
         args = inputs(8, seed=22)
@@ -181,13 +225,36 @@ class TestNearMisses(TestCase):
                 rows = x[torch.where(keep)[0]]
                 return self.q(x[keep]) + self.k(rows), self.q(x[labels != -100])
 
+        class PerLayerUnpad(nn.Module):  # each layer unpads with its own attention_mask == 1
+            def __init__(self, layers):
+                super().__init__()
+                self.layers = nn.ModuleList(layers)
+
+            def forward(self, x, attention_mask):
+                for layer in self.layers:
+                    keep = attention_mask == 1
+                    x = x.index_put((keep,), layer(x[keep]))
+                return x
+
+        class PerSequence(nn.Module):  # a packed batch: each sequence's rows of a mask given as input
+            def __init__(self, q):
+                super().__init__()
+                self.q = q
+
+            def forward(self, x, mask):
+                return [self.q(x[b][mask[b]]) for b in range(mask.shape[0])]
+
         x = inputs(8, seed=26)[0]
         keep = torch.arange(8) % 3 != 0
         labels = torch.where(keep, torch.arange(8), -100)
-        with fresh_counters():
-            out, gm = post_grad(Masked(), x, keep, labels)
-        self.assertEqual(fp8_counters(), {})
-        self.assertEqual(count_linear(gm), 3)
+        masked = Masked()
+        for m, args, linears in ((masked, (x, keep, labels), 3),
+                                 (PerLayerUnpad([masked.q, masked.k]), (x, keep.long()), 2),
+                                 (PerSequence(masked.q), (x.view(2, 4, H), keep.view(2, 4)), 2)):
+            with self.subTest(type(m).__name__), fresh_counters():
+                out, gm = post_grad(m, *args)
+                self.assertEqual(fp8_counters(), {})
+                self.assertEqual(count_linear(gm), linears)
 
     def test_mixed_block_sizes(self):
         m = MixtralLoop(block_sizes=[(16, 16), (16, 16), (32, 32), (16, 16)])
