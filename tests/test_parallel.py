@@ -138,55 +138,13 @@ class _WithHead(torch.nn.Module):
         return self.head(self.ep(hidden, idx, weights) + extra.to(hidden.dtype))
 
 
-def _worker(rank: int, store_path: str, out_dir: str) -> None:
+def _in_rank(work, rank: int, world: int, store_path: str, out_dir: str) -> None:
+    """A spawned rank of a gloo group of ``world``: ``work(rank, out_dir)``, its error (if
+    any) written to ``out_dir`` for the test to show."""
     try:
-        store = dist.FileStore(store_path, WORLD)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD)
+        dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
         torch.set_num_threads(1)
-        for case, (_, _, static, _, compiled) in CASES.items():
-            ep = ExpertParallel(shard_experts(full_experts(static, OTHER_H.get(case, H)), rank, WORLD), E)
-            run = torch.compile(ep) if compiled else ep
-            outs = [run(*rank_inputs(case, rank, calls)) for calls in range(2 if compiled else 1)]
-            if compiled:  # which graph breaks dynamo took, by reason
-                outs.append(list(counters["graph_break"]))
-            torch.save(outs, os.path.join(out_dir, f"{case}_{rank}.pt"))
-        torch.save(_calibrate(rank), os.path.join(out_dir, f"calibration_{rank}.pt"))
-        refusals = []
-        # another rank's shard: refused on the rank it is not for
-        try:
-            ExpertParallel(shard_experts(full_experts(False), 0, WORLD), E)
-        except ValueError as e:
-            refusals.append(str(e))
-        # local_experts replaced after a call by a layer of another hidden size on rank 1 only:
-        # refused on both ranks by the layout check (a layout row cached before the swap
-        # carried the old size, and the rows were read at the wrong width: an abort)
-        ep = ExpertParallel(shard_experts(full_experts(False), rank, WORLD), E)
-        ep(*rank_inputs("uneven", rank))
-        hidden, idx, weights = rank_inputs("uneven", rank)
-        if rank == 1:
-            ep.local_experts = shard_experts(full_experts(False, 96), rank, WORLD)
-            hidden = torch.randn(hidden.shape[0], 96).to(hidden.dtype)
-        try:
-            ep(hidden, idx, weights)
-        except ValueError as e:
-            refusals.append(str(e))
-        # ranks that disagree on top_k: each raises, naming it (none waits in a collective);
-        # their rows used to be read with the other rank's width (an abort, or wrong values)
-        ep = ExpertParallel(shard_experts(full_experts(False), rank, WORLD), E)
-        hidden, idx, weights = rank_inputs("uneven", rank)
-        k = K - rank
-        try:
-            ep(hidden, idx[:, :k], weights[:, :k])
-        except ValueError as e:
-            refusals.append(str(e))
-        assert torch.equal(ep(hidden, idx, weights), full_experts(False)(hidden, idx, weights))  # usable after
-        # a group this process is not in
-        group = dist.new_group([0])
-        try:
-            ExpertParallel(shard_experts(full_experts(False), 0, 1), E, group=group)
-        except ValueError as e:
-            refusals.append(str(e))
-        torch.save(refusals, os.path.join(out_dir, f"refusals_{rank}.pt"))
+        work(rank, out_dir)
         dist.destroy_process_group()
     except BaseException:
         with open(os.path.join(out_dir, f"error_{rank}.txt"), "w") as f:
@@ -194,12 +152,11 @@ def _worker(rank: int, store_path: str, out_dir: str) -> None:
         raise
 
 
-@pytest.fixture(scope="module")
-def ep_outputs(tmp_path_factory):
-    """{(case, rank): [outputs]} from two gloo processes."""
-    tmp = tmp_path_factory.mktemp("ep")
+def _run_ranks(work, world: int, tmp) -> None:
+    """``work`` (a module-level function: spawned) in ``world`` gloo processes; fails with
+    their errors if any rank raised or did not end within ``TIMEOUT_S``."""
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_worker, args=(r, str(tmp / "store"), str(tmp))) for r in range(WORLD)]
+    procs = [ctx.Process(target=_in_rank, args=(work, r, world, str(tmp / "store"), str(tmp))) for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:
@@ -211,6 +168,61 @@ def ep_outputs(tmp_path_factory):
     errors = [f.read_text() for f in sorted(tmp.glob("error_*.txt"))]
     assert not errors and all(p.exitcode == 0 for p in procs), (
         [p.exitcode for p in procs], "\n".join(errors))
+
+
+def _worker(rank: int, out_dir: str) -> None:
+    """Every case of CASES on one of the WORLD ranks, then the refusals."""
+    for case, (_, _, static, _, compiled) in CASES.items():
+        ep = ExpertParallel(shard_experts(full_experts(static, OTHER_H.get(case, H)), rank, WORLD), E)
+        run = torch.compile(ep) if compiled else ep
+        outs = [run(*rank_inputs(case, rank, calls)) for calls in range(2 if compiled else 1)]
+        if compiled:  # which graph breaks dynamo took, by reason
+            outs.append(list(counters["graph_break"]))
+        torch.save(outs, os.path.join(out_dir, f"{case}_{rank}.pt"))
+    torch.save(_calibrate(rank), os.path.join(out_dir, f"calibration_{rank}.pt"))
+    refusals = []
+    # another rank's shard: refused on the rank it is not for
+    try:
+        ExpertParallel(shard_experts(full_experts(False), 0, WORLD), E)
+    except ValueError as e:
+        refusals.append(str(e))
+    # local_experts replaced after a call by a layer of another hidden size on rank 1 only:
+    # refused on both ranks by the layout check (a layout row cached before the swap
+    # carried the old size, and the rows were read at the wrong width: an abort)
+    ep = ExpertParallel(shard_experts(full_experts(False), rank, WORLD), E)
+    ep(*rank_inputs("uneven", rank))
+    hidden, idx, weights = rank_inputs("uneven", rank)
+    if rank == 1:
+        ep.local_experts = shard_experts(full_experts(False, 96), rank, WORLD)
+        hidden = torch.randn(hidden.shape[0], 96).to(hidden.dtype)
+    try:
+        ep(hidden, idx, weights)
+    except ValueError as e:
+        refusals.append(str(e))
+    # ranks that disagree on top_k: each raises, naming it (none waits in a collective);
+    # their rows used to be read with the other rank's width (an abort, or wrong values)
+    ep = ExpertParallel(shard_experts(full_experts(False), rank, WORLD), E)
+    hidden, idx, weights = rank_inputs("uneven", rank)
+    k = K - rank
+    try:
+        ep(hidden, idx[:, :k], weights[:, :k])
+    except ValueError as e:
+        refusals.append(str(e))
+    assert torch.equal(ep(hidden, idx, weights), full_experts(False)(hidden, idx, weights))  # usable after
+    # a group this process is not in
+    group = dist.new_group([0])
+    try:
+        ExpertParallel(shard_experts(full_experts(False), 0, 1), E, group=group)
+    except ValueError as e:
+        refusals.append(str(e))
+    torch.save(refusals, os.path.join(out_dir, f"refusals_{rank}.pt"))
+
+
+@pytest.fixture(scope="module")
+def ep_outputs(tmp_path_factory):
+    """{(case, rank): [outputs]} from two gloo processes."""
+    tmp = tmp_path_factory.mktemp("ep")
+    _run_ranks(_worker, WORLD, tmp)
     outputs = {(case, r): torch.load(tmp / f"{case}_{r}.pt") for case in CASES for r in range(WORLD)}
     outputs.update({("refusals", r): torch.load(tmp / f"refusals_{r}.pt") for r in range(WORLD)})
     outputs.update({("calibration", r): torch.load(tmp / f"calibration_{r}.pt") for r in range(WORLD)})
@@ -292,41 +304,24 @@ def test_calibration_over_ranks_refused_on_one_rank_is_refused_on_every_rank(ep_
     assert (experts, head, experts_1, head_1) == ("dynamic",) * 4
 
 
-def _refusal_worker(rank: int, store_path: str, out_dir: str) -> None:
+def _refusal_worker(rank: int, out_dir: str) -> None:
     """Four ranks, two layers' groups: pairs {0, 1}, {2, 3}, then cross pairs {0, 2},
     {1, 3}; a refusal on rank 0 only, and on none."""
     from types import SimpleNamespace
 
-    try:
-        dist.init_process_group("gloo", store=dist.FileStore(store_path, 4), rank=rank, world_size=4)
-        groups = {}
-        for members in ([0, 1], [2, 3], [0, 2], [1, 3]):  # (every rank makes every group, in order)
-            groups[tuple(members)] = dist.new_group(members)
-        layers = [SimpleNamespace(group=groups[g], local_experts=SimpleNamespace(gate_up_proj=torch.zeros(1)))
-                  for g in ((0, 1) if rank < 2 else (2, 3), (0, 2) if rank % 2 == 0 else (1, 3))]
-        heard = [ExpertParallel._any_rank_failed(layers, rank == 0), ExpertParallel._any_rank_failed(layers, False)]
-        torch.save(heard, os.path.join(out_dir, f"heard_{rank}.pt"))
-        dist.destroy_process_group()
-    except BaseException:
-        with open(os.path.join(out_dir, f"error_{rank}.txt"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
+    groups = {}
+    for members in ([0, 1], [2, 3], [0, 2], [1, 3]):  # (every rank makes every group, in order)
+        groups[tuple(members)] = dist.new_group(members)
+    layers = [SimpleNamespace(group=groups[g], local_experts=SimpleNamespace(gate_up_proj=torch.zeros(1)))
+              for g in ((0, 1) if rank < 2 else (2, 3), (0, 2) if rank % 2 == 0 else (1, 3))]
+    heard = [ExpertParallel._any_rank_failed(layers, rank == 0), ExpertParallel._any_rank_failed(layers, False)]
+    torch.save(heard, os.path.join(out_dir, f"heard_{rank}.pt"))
 
 
 def test_a_refusal_reaches_every_rank_through_overlapping_groups(tmp_path):
     # each all-reduce used to hand on the rank's own flag: rank 3, whose groups hold no
     # refusing rank, went on alone (and a retry there refused while the others waited)
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_refusal_worker, args=(r, str(tmp_path / "store"), str(tmp_path))) for r in range(4)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(TIMEOUT_S)
-        if p.is_alive():
-            p.kill()
-            p.join()
-    errors = [f.read_text() for f in sorted(tmp_path.glob("error_*.txt"))]
-    assert not errors and all(p.exitcode == 0 for p in procs), "\n".join(errors)
+    _run_ranks(_refusal_worker, 4, tmp_path)
     assert [torch.load(tmp_path / f"heard_{r}.pt") for r in range(4)] == [[True, False]] * 4
 
 
