@@ -194,7 +194,7 @@ def _worker(rank: int, out_dir: str) -> None:
     hidden, idx, weights = rank_inputs("uneven", rank)
     if rank == 1:
         ep.local_experts = shard_experts(full_experts(False, 96), rank, WORLD)
-        hidden = torch.randn(hidden.shape[0], 96).to(hidden.dtype)
+        hidden = torch.randn(hidden.shape[0], 96, generator=torch.Generator().manual_seed(96)).to(hidden.dtype)
     try:
         ep(hidden, idx, weights)
     except ValueError as e:

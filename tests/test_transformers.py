@@ -418,9 +418,10 @@ class _SeparateGateUpExperts(torch.nn.Module):
 
     def __init__(self, E=2, H=64, I=32):
         super().__init__()
-        self.gate_proj = torch.nn.Parameter(torch.randn(E, I, H))
-        self.up_proj = torch.nn.Parameter(torch.randn(E, I, H))
-        self.down_proj = torch.nn.Parameter(torch.randn(E, H, I))
+        gen = torch.Generator().manual_seed(E)
+        self.gate_proj = torch.nn.Parameter(torch.randn(E, I, H, generator=gen))
+        self.up_proj = torch.nn.Parameter(torch.randn(E, I, H, generator=gen))
+        self.down_proj = torch.nn.Parameter(torch.randn(E, H, I, generator=gen))
 
 
 def test_quantize_experts_leaves_experts_without_a_fused_gate_up_with_a_warning():
