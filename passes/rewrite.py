@@ -17,9 +17,9 @@ from torch.fx import Graph, Node
 import fp8_moe_ops.ops
 
 from .matching import (
-    ACCUMULATIONS, GROUPED, GROUPED_LIST, LINEAR, META_ASSERT, Loop, Skip, accumulation_step, aten, chain_heads,
-    collect_chain, find_loop, is_call, prove, read_modify_write_chains, read_modify_write_step, same_size,
-    scalar_only, shape_of,
+    ACCUMULATIONS, GROUPED, GROUPED_LIST, LINEAR, META_ASSERT, Loop, Skip, _linear_args, accumulation_step, aten,
+    chain_heads, collect_chain, find_loop, is_call, prove, read_modify_write_chains, read_modify_write_step,
+    same_size, scalar_only, shape_of,
 )
 
 log = logging.getLogger("fp8_moe_ops.passes")
@@ -235,8 +235,7 @@ def rewrite_moe_loops(graph: Graph) -> int:
     search's loops uncounted: never the compile's failure.  (A loop proven and checked is
     then rewritten in place; an error there, which would leave the graph half changed,
     propagates.)"""
-    linears = graph.find_nodes(op="call_function", target=LINEAR)
-    if not linears:
+    if not graph.find_nodes(op="call_function", target=LINEAR):
         return 0
     done, seen = 0, set()  # seen: the nodes above the chains counted as skipped
     for head in _guarded(lambda: chain_heads(graph, ACCUMULATIONS), []):
@@ -385,10 +384,8 @@ def _expert_of(mask: Node) -> tuple | None:
         nxt = []
         for n in frontier:
             if is_call(n, *_COMPARED) and isinstance(n.args[0], Node):
-                other = n.args[1]
-                if not isinstance(other, Node):
-                    return _root(n.args[0]), ("==", other)
-                if other.op == "get_attr" or not other.all_input_nodes:  # a constant tensor of its own
+                other = n.args[1]  # a number, or a constant tensor of its own
+                if not isinstance(other, Node) or other.op == "get_attr" or not other.all_input_nodes:
                     return _root(n.args[0]), ("==", other)
             if is_call(n, aten.select.int) and isinstance(n.args[0], Node):
                 top = _root(n.args[0])
@@ -418,7 +415,7 @@ def _unread_loops(graph: Graph, seen: set) -> None:
         found = _selected_rows(n.args[0])
         if found is not None:
             source, expert = found
-            static = len(n.args) > 4 and n.args[4] is not None or n.kwargs.get("act_scale") is not None
+            static = _linear_args(n)[4] is not None  # an act_scale
             experts = loops.setdefault(source, {})
             experts[expert] = experts.get(expert, False) or static
     for experts in loops.values():
