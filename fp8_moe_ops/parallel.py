@@ -40,7 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import ops
-from ._checks import ACT_DTYPES
+from ._checks import ACT_DTYPES, fail
 from .modules import FP8Experts
 from .routing import combine
 
@@ -98,7 +98,7 @@ def _integer(value, name: str) -> int:
             return operator.index(value)
         except TypeError:
             pass
-    raise TypeError(f"{name}: expected an int, got {type(value).__name__} {value!r}")
+    fail(TypeError, name, "an int", f"{type(value).__name__} {value!r}")
 
 
 class ExpertParallel(nn.Module):
