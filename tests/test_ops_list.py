@@ -385,6 +385,49 @@ def test_address_tables_of_freed_tensors_are_dropped(monkeypatch):
     assert moe_list.address_table((gate_up, gate_up_s, list(stacked.unbind()), down_s), cpu) is views
 
 
+def test_address_tables_of_moved_or_churning_storages_are_dropped(monkeypatch):
+    # a storage freed in place and allocated again (FSDP's resize_) lives on at a new
+    # address: its table is stale and dropped; live storages at ever new addresses
+    # (expert weights moved between the slots of a buffer pool) keep at most MAX_TABLES
+    # uncaptured tables, and a captured one stays
+    import itertools
+
+    from fp8_moe_ops.kernels import moe_list
+
+    monkeypatch.setattr(moe_list, "_TABLES", {})
+    monkeypatch.setattr(moe_list, "MIN_SWEEP", 4)
+    monkeypatch.setattr(moe_list, "_sweep_at", 4)
+    monkeypatch.setattr(moe_list, "MAX_TABLES", 8)
+    cpu = torch.device("cpu")
+    a = _lists()
+    gate_up, gate_up_s, down_s = a["gate_up_proj"], a["gate_up_scale_inv"], a["down_scale_inv"]
+    moved = [t.clone() for t in a["down_proj"]]
+    entry = moe_list.address_table((gate_up, gate_up_s, moved, down_s), cpu)
+    storage, before, holds = moved[0].untyped_storage(), moved[0].data_ptr(), []
+    for _ in range(10):  # freed in place; its old block held by another tensor, so it moves
+        nbytes = storage.nbytes()
+        storage.resize_(0)
+        holds.append(torch.empty(nbytes, dtype=torch.uint8))
+        storage.resize_(nbytes)
+        if moved[0].data_ptr() != before:
+            break
+    assert moved[0].data_ptr() != before
+    assert entry.freed()
+    pool = torch.zeros(6, *a["down_proj"][0].shape, dtype=a["down_proj"][0].dtype)
+    slots = itertools.permutations(range(6), len(moved))
+    captured = moe_list.address_table((gate_up, gate_up_s, [pool[i] for i in next(slots)], down_s), cpu)
+    with monkeypatch.context() as m:
+        m.setattr(moe_list, "_capturing", lambda device: True)
+        moe_list.address_table((gate_up, gate_up_s, [pool[i] for i in (0, 1, 2, 3)], down_s), cpu)
+    assert captured.captured
+    for _, arrangement in zip(range(40), slots):
+        views = [pool[i] for i in arrangement]
+        table = moe_list.address_table((gate_up, gate_up_s, views, down_s), cpu).table
+        assert table[8:12].tolist() == [v.data_ptr() for v in views]  # after 4 + 4 gate_up entries
+        assert sum(not t.captured for t in moe_list._TABLES.values()) <= 8
+    assert entry not in moe_list._TABLES.values() and captured in moe_list._TABLES.values()
+
+
 def test_address_table_knows_unaligned_weights():
     # a weight view starting 8 bytes into a buffer: the kernel must not be told "16-byte aligned"
     from fp8_moe_ops.kernels.moe_list import address_table

@@ -19,12 +19,16 @@ device).  An address is all a table holds, so:
   with any captured graph.
 
 Tables do not pile up as parameters are replaced again and again (a reload per step,
-FSDP-style re-allocation): each holds weak references to its tensors' storages, and
-building a table, once the cache has doubled since the last look, drops every table
-one of whose storages has been freed.  A table a CUDA graph has captured is kept
-(the graph replays against it), and the GPU is synchronised before a CUDA table is
-freed (a kernel on another stream may still read it).  So the cache holds the live
-sets of tensors, the captured ones, and at most as many again.
+FSDP-style re-allocation): each holds weak references to its tensors' storages and
+their addresses, and building a table, once the cache has doubled since the last look,
+drops every table one of whose storages has been freed or has moved (freed in place
+and allocated again, ``untyped_storage().resize_``).  Past ``MAX_TABLES`` tables of live
+storages (expert weights moved between the slots of a buffer pool make a new set of
+addresses per arrangement), it also drops the oldest built until half that many are
+left.  A table a CUDA graph has captured is kept (the graph replays against it), and
+the GPU is synchronised before a CUDA table is freed (a kernel on another stream may
+still read it).  So the cache holds the live sets of tensors, the captured ones, and at
+most as many again, and never more than ``MAX_TABLES`` uncaptured ones.
 
 Gate and up as separate lists (2E matrices: every gate, then every up) are one
 gate_up launch over a split table (``W_SPLIT``): each column tile reads a gate or an up
@@ -58,18 +62,21 @@ class Table:
 
     def __init__(self, table: torch.Tensor, aligned: bool, tensors: list[torch.Tensor], lengths: tuple):
         self.table, self.aligned, self.parts = table, aligned, tuple(table.split(lengths))
-        self.storages = [StorageWeakRef(t.untyped_storage()) for t in tensors]
+        self.storages = [(StorageWeakRef(s), s.data_ptr()) for s in (t.untyped_storage() for t in tensors)]
         self.captured = False
 
     def freed(self) -> bool:
-        """Whether the storage of one of the tensors has been freed."""
-        return any(ref.expired() for ref in self.storages)
+        """Whether the storage of one of the tensors has been freed, or has moved (freed
+        in place and allocated again: its tensors' addresses are not the table's)."""
+        return any(ref.expired() or torch.UntypedStorage._new_with_weak_ptr(ref.cdata).data_ptr() != base
+                   for ref, base in self.storages)
 
 
 # (device, list lengths, every tensor's address) -> its Table
 _TABLES: dict[tuple, Table] = {}
 _LOCK = threading.Lock()  # builds and drops tables; lookups go without it
 MIN_SWEEP = 64  # tables cached before the first look for freed ones
+MAX_TABLES = 1024  # uncaptured tables of live storages kept at most (a model has one or two per layer)
 _sweep_at = MIN_SWEEP  # a build looks for freed tables once this many are cached
 
 _data_ptr = torch.Tensor.data_ptr
@@ -79,16 +86,21 @@ def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
-def _drop_freed() -> None:
-    """Drops the tables whose tensors are not all alive any more, but for captured ones
+def _sweep() -> None:
+    """Drops the tables whose storages are not all alive and in place any more, then,
+    while ``MAX_TABLES`` or more are left, the oldest built, but never a captured one
     (under ``_LOCK``)."""
     global _sweep_at
-    freed = [key for key, entry in list(_TABLES.items()) if not entry.captured and entry.freed()]
-    for device in {key[0] for key in freed if key[0].type == "cuda"}:
+    uncaptured = [key for key, entry in _TABLES.items() if not entry.captured]
+    drop = {key for key in uncaptured if _TABLES[key].freed()}
+    if len(uncaptured) - len(drop) >= MAX_TABLES:  # live storages at ever new addresses
+        oldest = [key for key in uncaptured if key not in drop]
+        drop.update(oldest[:len(oldest) - MAX_TABLES // 2])
+    for device in {key[0] for key in drop if key[0].type == "cuda"}:
         torch.cuda.synchronize(device)  # no kernel on any stream reads them any more
-    for key in freed:
+    for key in drop:
         del _TABLES[key]
-    _sweep_at = max(MIN_SWEEP, 2 * len(_TABLES))
+    _sweep_at = min(max(MIN_SWEEP, 2 * len(_TABLES)), MAX_TABLES)
 
 
 def _layout(w: torch.Tensor, s: torch.Tensor) -> tuple:
@@ -121,7 +133,7 @@ def address_table(lists: tuple, device: torch.device) -> Table:
         entry = _TABLES.get(key)  # another thread may have just built it
         if entry is None:
             if len(_TABLES) >= _sweep_at:
-                _drop_freed()
+                _sweep()
             table = torch.tensor(ptrs, dtype=torch.int64, device=device)
             g, gs, e = lengths[:3]
             aligned = all(p % 16 == 0 for p in ptrs[:g] + ptrs[g + gs:g + gs + e])
