@@ -120,12 +120,18 @@ def check_scale_values(name: str, s: torch.Tensor | None) -> None:
         fail(ValueError, name, "finite positive scales", f"min {sf.min().item()}, max {sf.max().item()}")
 
 
+def _typed(a) -> tuple:
+    # 1, 1.0 and True (and numpy's 1) are equal keys, and the checks refuse some of them
+    return type(a), a
+
+
 def meta_key(args: tuple) -> tuple:
     """Everything the metadata checks and the launch plans read from the experts ops'
     arguments: each tensor's dtype, shape, strides, device and whether its address is
-    a multiple of 16 bytes, and the other arguments' values."""
+    a multiple of 16 bytes, and the other arguments' values with their types (a list's
+    elements each)."""
     return tuple((a.dtype, a.shape, a.stride(), a.device, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor)
-                 else tuple(a) if isinstance(a, list) else a for a in args)
+                 else tuple(map(_typed, a)) if isinstance(a, list) else _typed(a) for a in args)
 
 
 @functools.cache

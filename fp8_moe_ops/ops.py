@@ -694,7 +694,11 @@ class ListChecks:
         lists = args[3:7]
         tensors = [*lists[0], *lists[1], *lists[2], *lists[3]]
         key = (hidden.shape[1:], hidden.device, *map(len, lists), meta_key(args[7:]))
-        guards = self._guards.get(key, ())
+        try:
+            guards = self._guards.get(key, ())
+        except TypeError:  # an unhashable argument: the checks name it
+            self._check(*args)
+            raise
         for guard in reversed(guards):
             if guard(*tensors):
                 _check_routing(hidden, top_k_index, top_k_weights)

@@ -801,6 +801,27 @@ def test_plans_name_a_bare_int_block_size():
         gemm((x, w, ws, 16, None, None))
 
 
+def test_plans_check_unhashable_and_equal_valued_arguments():
+    # an unhashable value (a dict block size, a list activation) reached the plans' dict
+    # lookups, a TypeError naming nothing; a value equal to a remembered one that the
+    # checks refuse (True for 1.0, 16.0 for 16: equal keys) replayed without its check
+    from fp8_moe_ops import ops
+
+    args = list(_positional(*_experts_args("sentinels", torch.bfloat16, torch.float32, False, seed=72)))
+    args[11] = 1.0  # swiglu_limit
+    x, w, ws, (bn, bk) = args[0], args[3][0], args[4][0], args[7]
+    stacked, gemm = kernels.StackedPlans(ops.check_experts), kernels.GemmPlans("linear", ops.check_linear)
+    for _ in range(3):  # the plans recorded and remembered behind their guards
+        stacked(tuple(args)), gemm((x, w, ws, [bn, bk], None, None))
+    for i, value, match in ((7, {0: bn, 1: bk}, "block_size"), (8, ["silu"], "activation"),
+                            (11, [1.0], "swiglu_limit"), (11, True, "swiglu_limit"), (7, [float(bn), bk], "block_size")):
+        with pytest.raises((TypeError, ValueError), match=f"^{match}: expected"):
+            stacked((*args[:i], value, *args[i + 1:]))
+    for block in ({0: bn, 1: bk}, [float(bn), bk]):
+        with pytest.raises(TypeError, match="^block_size: expected"):
+            gemm((x, w, ws, block, None, None))
+
+
 def test_plan_of_strided_arguments_reads_each_calls_copy():
     # a transposed top_k_index / top_k_weights is copied dense on every call, the plan's
     # replays included: the replay must not read the recording call's copy

@@ -167,8 +167,17 @@ ROUTING_BAD = [
 # every bad input but the value check (negative scales: CPU only, no device sync on CUDA)
 METADATA_BAD = [case for case in BAD if "finite positive" not in case[2]]
 
+# values the guards' keys met before their checks: unhashable (a TypeError naming
+# nothing) or equal to the good calls' (16.0 == 16: the same key, so no check ran)
+KEYED_BAD = [
+    (lambda a: dict(a, block_size=dict(enumerate(a["block_size"]))), TypeError, "^block_size: expected a pair"),
+    (lambda a: dict(a, block_size=[float(a["block_size"][0]), a["block_size"][1]]), TypeError,
+     "^block_size: expected a pair"),
+    (lambda a: dict(a, activation=["silu"]), ValueError, "^activation: expected one of"),
+]
 
-@pytest.mark.parametrize("change,exc,match", METADATA_BAD + ROUTING_BAD)
+
+@pytest.mark.parametrize("change,exc,match", METADATA_BAD + ROUTING_BAD + KEYED_BAD)
 def test_cuda_list_checks_catch_bad_input_after_good_calls(change, exc, match):
     checks, runs = _counted_list_checks()
     checks(*_positional(_lists()))

@@ -373,7 +373,9 @@ class StackedPlans(Plans):
     FED = FED
 
     def cheap_key(self, args: tuple, gluon) -> tuple:
-        return (args[0].shape, *args[7], args[8], args[11], args[9] is None, args[10] is None, gluon)
+        # the values' types too: 1, 1.0 and True are equal keys, and the checks refuse some of them
+        return (args[0].shape, *args[7], *map(type, args[7]), args[8], args[11], type(args[11]), args[9] is None,
+                args[10] is None, gluon)
 
     def sources(self, args: tuple) -> dict:
         return _stacked_sources(args)

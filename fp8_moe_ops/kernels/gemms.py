@@ -167,7 +167,7 @@ class GemmPlans(Plans):
         self.ARG_NAMES = tuple(a.name for a in getattr(torch.ops.fp8_moe, name).default._schema.arguments)
 
     def cheap_key(self, args: tuple, gluon) -> tuple:
-        return (args[0].shape, *args[-3], args[-2] is None, args[-1], gluon)
+        return (args[0].shape, *args[-3], *map(type, args[-3]), args[-2] is None, args[-1], gluon)  # (as StackedPlans)
 
     def sources(self, args: tuple) -> dict:
         return _sources(self.name, args)

@@ -599,10 +599,11 @@ class Plans:
         gluon = ws_gemm.mode()  # the GEMMs a forward launches depend on it: plans are kept per setting
         try:
             cheap = self.cheap_key(args, gluon)
-        except TypeError:  # an argument the checks below refuse, naming it (a bare int block size)
-            cheap = None
+            remembered = self._replays.get(cheap, ())
+        except TypeError:  # an argument the checks below refuse, naming it (a bare int block size, a dict)
+            cheap, remembered = None, ()
         guarded = False  # whether a remembered call's guard passed (its plan did not replay)
-        for guard, tensors_of, sources_of, plan in reversed(self._replays.get(cheap, ())):
+        for guard, tensors_of, sources_of, plan in reversed(remembered):
             if guard(*tensors_of(args)):
                 out = plan.run(sources_of(args), hidden, aligned=True)
                 if out is not None:
@@ -610,7 +611,12 @@ class Plans:
                 guarded = True  # unaligned, or another current device: the keyed path
                 break
         key = (meta_key(args), gluon)
-        if key not in self.states:
+        try:
+            known = key in self.states
+        except TypeError:  # an unhashable argument: the checks name it
+            self._check(*args)
+            raise
+        if not known:
             self._check(*args)
         sources = self.sources(args)
         out = planned(self.states, key, sources, hidden, lambda: self.forward(args, sources), self.FED)
