@@ -385,7 +385,7 @@ class FP8Experts(_CheckedStateDict, nn.Module):
         get = self._tensor
         return ops.ExpertWeights(
             get("gate_up_proj"), get("gate_up_proj_scale_inv"), get("down_proj"), get("down_proj_scale_inv"),
-            self._block_size, self.activation,
+            list(self._block_size), self.activation,  # a copy, as ``block_size`` reads: the caller's to change
             get("gate_up_proj_activation_scale") if static else None,
             get("down_proj_activation_scale") if static else None,
             self.swiglu_limit)

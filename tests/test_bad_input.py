@@ -335,6 +335,14 @@ def test_fixed_sizes_of_a_linear_and_block_size_copies():
     assert not hasattr(fp8_moe_ops.FP8Linear.__new__(fp8_moe_ops.FP8Linear), "in_features")  # unset: AttributeError
 
 
+def test_expert_weights_hands_out_a_copy_of_the_block_size():
+    # the list handed out was the module's own: changed there, every later forward ran
+    # with another block size (wrong results where the scale grid kept its shape)
+    m = _experts("grouped")
+    m.expert_weights().block_size[0] = 16
+    assert m.block_size == [32, 32] and m.expert_weights().block_size == [32, 32]
+
+
 def test_linear_scheme_needs_its_scale():
     lin = fp8_moe_ops.FP8Linear(16, 8)
     with pytest.raises(ValueError, match="static scales \\['activation_scale'\\]"):
