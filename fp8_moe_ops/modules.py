@@ -122,8 +122,10 @@ class _CheckedStateDict:
         dtype is the input's) and move devices as asked."""
 
         def keep_dtype(t: torch.Tensor) -> torch.Tensor:
-            out = fn(t)
-            return out if out.dtype == t.dtype else t.to(out.device)
+            # where fn casts, asked of an empty tensor first: cast and dropped, a stacked fp8
+            # weight cost twice its size (in bf16) and, moved too, two copies to the device
+            probe = fn(t.new_empty(0))
+            return fn(t) if probe.dtype == t.dtype else t.to(probe.device)
 
         return super()._apply(keep_dtype, recurse)
 
