@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import inspect
 import sys
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import torch
 from torch import nn
@@ -55,24 +56,40 @@ def _check_finite(m: nn.Module, name: str, shared: tuple | None = None) -> None:
 
 
 def _run_batch(model: nn.Module, batch, batches, index: int) -> None:
-    """``model(*batch)``, or ``model(batch)`` for a single tensor (``index``: the batch's
-    place in ``batches``).  Where ``batches`` is a list of tensors and running its first
-    alone raises ``TypeError`` (a module that takes several arguments), it was most likely
-    one batch passed alone: the error says so (a tuple of tensors is refused before any
-    runs: :func:`check_batches`)."""
+    """``model(*batch)`` for a tuple or list, ``model(**batch)`` for a mapping (a
+    tokenizer's ``BatchEncoding``), else ``model(batch)`` (``index``: the batch's place in
+    ``batches``).  Where ``batches`` is a list of tensors and the model's forward cannot
+    take one tensor alone (a module of several arguments), running the first raises: it
+    was most likely one batch passed alone, and the error says so (a tuple of tensors is
+    refused before any runs: :func:`check_batches`)."""
     if isinstance(batch, (tuple, list)):
         model(*batch)
+        return
+    if isinstance(batch, Mapping):
+        model(**batch)
         return
     try:
         model(batch)
     except TypeError as exc:
         if index == 0 and isinstance(batches, list) and len(batches) > 1 \
-                and all(isinstance(b, torch.Tensor) for b in batches):
+                and all(isinstance(b, torch.Tensor) for b in batches) and not _takes_one(model, batch):
             raise TypeError(f"calibration_batches: expected an iterable of batches, got a list "
                             f"of {len(batches)} tensors, each run as a batch alone (model(tensor) raised: {exc}); "
                             f"to calibrate on one batch of several arguments, wrap it in a list: "
                             f"[(hidden, top_k_index, top_k_weights)]") from exc
         raise
+
+
+def _takes_one(model: nn.Module, batch) -> bool:
+    """Whether ``model.forward`` binds one positional argument (True where its signature
+    cannot be read): only where it does not was a TypeError the calling convention's."""
+    try:
+        inspect.signature(model.forward).bind(batch)
+    except TypeError:
+        return False
+    except ValueError:
+        return True
+    return True
 
 
 def _expert_parallel(model: nn.Module) -> dict:
@@ -88,8 +105,9 @@ def _expert_parallel(model: nn.Module) -> dict:
 def calibrate_static_scales(model: nn.Module, calibration_batches: Iterable) -> nn.Module:
     """Switches every ``FP8Linear`` / ``FP8Experts`` in ``model`` to static activation scales.
 
-    Runs ``model(*batch)`` for each batch (a tuple of positional arguments, or a single
-    tensor; ``calibration_batches`` is an iterable of batches, and one batch passed
+    Runs ``model(*batch)`` for each batch (a tuple of positional arguments, a mapping of
+    keyword arguments run as ``model(**batch)``, such as a tokenizer's ``BatchEncoding``, or
+    a single tensor; ``calibration_batches`` is an iterable of batches, and one batch passed
     alone, a tensor, a mapping or a tuple of tensors, is refused: wrap it in a list) with the current
     (dynamic) scheme, records the largest absolute input of every linear and, per
     expert, of the gate_up and down projections, then sets

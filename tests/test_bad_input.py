@@ -293,6 +293,31 @@ def test_calibration_of_one_experts_batch_not_in_a_list_says_so_and_leaves_the_m
     assert m.activation_scheme == "static"
 
 
+def test_calibration_runs_mapping_batches_as_keywords_and_blames_no_good_list():
+    # a mapping in a list (a tokenizer's BatchEncoding) ran as model(mapping), failing
+    # deep inside; and a list of tensors for a one-input model is the right form: a
+    # TypeError of its batches is the model's, not "one batch passed alone"
+    class Keyworded(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = fp8_moe_ops.FP8Linear.from_float(nn.Linear(64, 32), (32, 32))
+
+        def forward(self, x, shift=None):
+            return self.lin(x if shift is None else x + shift)
+
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(3))
+    by_name, by_place = Keyworded(), Keyworded()
+    by_place.load_state_dict(by_name.state_dict())
+    fp8_moe_ops.calibrate_static_scales(by_name, [{"x": x, "shift": torch.ones(64)}])
+    fp8_moe_ops.calibrate_static_scales(by_place, [(x, torch.ones(64))])
+    assert by_name.lin.activation_scheme == "static"
+    assert torch.equal(by_name.lin.activation_scale, by_place.lin.activation_scale)
+    lin = fp8_moe_ops.FP8Linear.from_float(nn.Linear(64, 32), (32, 32))
+    with pytest.raises(TypeError, match="^x: expected dtype"):
+        fp8_moe_ops.calibrate_static_scales(lin, [x.double(), x.double()])
+    assert lin.activation_scheme == "dynamic"
+
+
 @pytest.mark.parametrize("build,exc,match", CONSTRUCT_BAD)
 def test_public_api_bad_input(build, exc, match):
     with pytest.raises(exc, match=match):

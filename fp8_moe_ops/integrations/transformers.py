@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 import transformers
@@ -308,10 +308,8 @@ class _Scoped(nn.Module):
         self.targets = nn.ModuleList(targets)
         object.__setattr__(self, "model", model)  # not a submodule: not calibrated
 
-    def forward(self, batch):
-        if isinstance(batch, Mapping):
-            return self.model(**batch)
-        return self.model(*batch) if isinstance(batch, (tuple, list)) else self.model(batch)
+    def forward(self, *args, **kwargs):  # a batch as calibrate_static_scales runs it
+        return self.model(*args, **kwargs)
 
     def named_modules(self, memo=None, prefix: str = "", remove_duplicate: bool = True):
         """The targets, by their paths in the model (what calibration errors name)."""
