@@ -171,6 +171,8 @@ class _CheckedStateDict:
             elif name in self._STATIC_SCALES and self.__dict__.get("_activation_scheme") == "static":
                 fail(ValueError, name, "a tensor while activation_scheme is 'static' (set activation_scheme = "
                      "'dynamic' first)", "None")
+            elif params.get(name) is not None and self._optional(name) is None:
+                fail(ValueError, name, "a tensor (a weight or weight scale every forward reads)", "None")
         super().__setattr__(name, value)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
@@ -367,8 +369,8 @@ class FP8Experts(_CheckedStateDict, nn.Module):
         for name, t in (("gate_up_proj", gate_up_proj), ("down_proj", down_proj)):
             if not isinstance(t, torch.Tensor):
                 fail(TypeError, name, "a Tensor", type(t).__name__)
-        if gate_up_proj.dim() != 3 or gate_up_proj.shape[1] % 2:
-            fail(ValueError, "gate_up_proj", "shape (E, 2I, H)", shape_str(gate_up_proj))
+        if gate_up_proj.dim() != 3 or gate_up_proj.shape[1] % 2 or 0 in gate_up_proj.shape:
+            fail(ValueError, "gate_up_proj", "shape (E, 2I, H) with E, I, H >= 1", shape_str(gate_up_proj))
         E, two_i, H = gate_up_proj.shape
         if tuple(down_proj.shape) != (E, H, two_i // 2):
             fail(ValueError, "down_proj", f"shape {(E, H, two_i // 2)} (E, H, I from gate_up_proj)", shape_str(down_proj))

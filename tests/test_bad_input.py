@@ -256,6 +256,11 @@ CONSTRUCT_BAD = [
      "linear.weight: expected a tensor with values to quantise, got a tensor on the meta device"),
     (lambda: fp8_moe_ops.quantize_weight(torch.randn(8, 16), scale_dtype=torch.bfloat16), TypeError, "scale_dtype"),
     (lambda: fp8_moe_ops.calibrate_static_scales("model", []), TypeError, "model: expected an nn.Module"),
+    # a zero size named the constructor's num_experts / hidden_size / intermediate_size, which from_float has not
+    (lambda: fp8_moe_ops.FP8Experts.from_float(torch.randn(0, 64, 32), torch.randn(0, 32, 32)), ValueError,
+     r"^gate_up_proj: expected shape \(E, 2I, H\) with E, I, H >= 1, got shape \(0, 64, 32\)"),
+    (lambda: fp8_moe_ops.FP8Experts.from_float(torch.randn(2, 64, 0), torch.randn(2, 0, 32)), ValueError,
+     r"^gate_up_proj: expected shape \(E, 2I, H\) with E, I, H >= 1"),
     (lambda: gated_activation(torch.randn(2, 3), "silu"), ValueError, r"h: expected shape \(\.\.\., 2I\)"),
     (lambda: gated_activation(torch.ones(2, 4, dtype=torch.int64), "silu"), TypeError,
      "h: expected a float16/bfloat16/float32/float64 tensor"),
@@ -346,6 +351,19 @@ def test_setting_an_unknown_value_raises_at_once(name, value, exc, match):
     with pytest.raises(exc, match=match):
         setattr(m, name, value)
     assert getattr(m, name) == before
+
+
+def test_a_weight_set_to_none_is_refused():
+    # accepted before: the next forward failed with "'NoneType' object has no attribute" naming nothing
+    m, lin = _experts("grouped"), fp8_moe_ops.FP8Linear(16, 8, bias=True)
+    for module, name in ((m, "gate_up_proj"), (m, "down_proj_scale_inv"), (lin, "weight"),
+                         (lin, "weight_scale_inv")):
+        before = getattr(module, name)
+        with pytest.raises(ValueError, match=f"^{name}: expected a tensor .*, got None"):
+            setattr(module, name, None)
+        assert getattr(module, name) is before
+    lin.bias = None  # optional parameters may go
+    assert lin.bias is None
 
 
 def test_fixed_sizes_of_a_linear_and_block_size_copies():
