@@ -407,6 +407,8 @@ def main() -> int:
 if __name__ == "__main__":
     try:
         code = main()
+    except SystemExit:  # argparse's --help and usage errors: its own exit code, no traceback
+        raise
     except BaseException:
         traceback.print_exc()
         sys.stdout.flush()

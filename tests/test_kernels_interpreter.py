@@ -801,6 +801,13 @@ def test_plans_name_a_bare_int_block_size():
         gemm((x, w, ws, 16, None, None))
 
 
+def test_block_k_not_a_multiple_of_16_is_named():
+    # the fp8 dot's smallest K: the Triton kernels' entry refuses a smaller bk by name
+    w, ws = make_expert_weights(1, 32, 32, [16, 8], gen=torch.Generator().manual_seed(5))
+    with pytest.raises(ValueError, match=r"^block_size: expected bk divisible by 16 for the Triton kernels"):
+        kernels.linear(torch.ones(2, 32, dtype=torch.bfloat16), w[0], ws[0], [16, 8])
+
+
 def test_plans_check_unhashable_and_equal_valued_arguments():
     # an unhashable value (a dict block size, a list activation) reached the plans' dict
     # lookups, a TypeError naming nothing; a value equal to a remembered one that the
