@@ -12,7 +12,7 @@ All three run the same metadata checks (dtype, rank, shape agreement, block size
 scale grid), so a bad call fails the same way eagerly, under ``torch.compile`` and
 under ``torch.export``.  Checks that need tensor *values* (offsets monotonic, scales
 positive) run only on CPU, where they cost no device sync; on CUDA the kernels are
-safe by construction (ids outside [0, E) are sentinels, offsets are clamped to S).
+safe by construction (ids outside [0, E) are sentinels, offsets are clamped into [0, S]).
 
 ``fp8_moe::linear`` is an opaque op (not a ``triton_op``) on purpose: the graph pass
 matches it in post-grad graphs, and a ``triton_op`` would be decomposed into its body

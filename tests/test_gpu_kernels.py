@@ -183,15 +183,18 @@ def test_nan_and_inf_inputs_quantise_as_the_reference():
     _assert_same_nan_then_bitwise(q.cpu(), reference.quantize_act_static(x, one))
 
 
+@pytest.mark.parametrize("limit", [None, 7.0], ids=["no limit", "swiglu_limit"])
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
 @pytest.mark.parametrize("poison", ["nan", "inf", "-inf"])
 @pytest.mark.parametrize("T", [1, 6])
-def test_a_nan_or_inf_in_a_token_reaches_its_row_alone(T, poison, static):
+def test_a_nan_or_inf_in_a_token_reaches_its_row_alone(T, poison, static, limit):
     # T=1: the activation and the combine in the GEMMs' launches; T=6: their own kernels.
     # NaN makes its token's row NaN; Inf does too under dynamic scales (its group's scale
     # is Inf, Inf / Inf is NaN) and saturates to +-448 under static ones (a finite row).
+    # A swiglu_limit keeps a NaN (the GPU's plain min / max had clamped it to the limit).
     args = make_experts_inputs(T, 4, 256, 128, 2, [128, 128], static=static, seed=3)
     args["hidden"][T // 2, 7] = float(poison)
+    args["swiglu_limit"] = limit
     out = OPS.grouped_experts(**{key: _cuda(v) for key, v in args.items()}).cpu()
     ref = OPS.grouped_experts(**args)
     row_is_nan = poison == "nan" or not static

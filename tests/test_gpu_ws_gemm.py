@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from fp8_moe_ops import reference
-from fp8_moe_ops.kernels import experts, gemms, plans, ws_gemm
+from fp8_moe_ops.kernels import experts, gemms, moe, plans, ws_gemm
 
 from helpers import (EXPERTS_BOUND, GEMM_BOUND, make_expert_weights, make_experts_inputs, poison_free_memory, rel_err,
                      uneven_offsets)
@@ -116,6 +116,29 @@ def test_grouped_mm_equals_the_triton_kernel_bitwise(case, static, scales, dtype
     if case != "many tiles":  # the CPU reference at the small shapes: the bound of test_gpu_kernels
         ref = OPS.grouped_mm(x, w, ws, offsets, block, a, out_dtype)
         assert rel_err(got.cpu(), ref) < GEMM_BOUND[out_dtype or dtype]
+
+
+@pytest.mark.parametrize("gluon", [True, False], ids=["gluon", "triton"])
+def test_negative_offsets_are_clamped_into_the_rows(gluon, ws_launches):
+    # grouped_mm on CUDA checks no offset values: a negative offset started row tiles
+    # before row 0, stored outside out (canary rows around it here); clamped into [0, S],
+    # its rows equal those of the clamped offsets
+    gen, x, w, ws, _, block = _gemm_inputs("prime E, N and K not multiples of 128", False, "f32", torch.bfloat16, 13)
+    S, N = x.shape[0], w.shape[1]
+    given = torch.tensor([-700, -1, 1000, 1000, 2000, 2500, S], dtype=torch.int32)
+    x, w, ws, given, clamped = _cuda(x, w, ws, given, given.clamp(0, S))
+
+    def run():
+        q, qs = moe._quantize(x, block[1], S)
+        rows = torch.full((3 * S, N), 7.0, dtype=torch.bfloat16, device="cuda")
+        moe.launch(moe._gemm_call(q, qs, w, ws, block, rows[S:2 * S], offsets=given))
+        return rows
+
+    before = len(ws_launches)
+    rows = run() if gluon else ws_launches.off(run)
+    assert (len(ws_launches) > before) == gluon
+    assert (rows[:S] == 7).all() and (rows[2 * S:] == 7).all()
+    assert torch.equal(rows[S:2 * S], OPS.grouped_mm(x, w, ws, clamped, block))
 
 
 # rows per expert: row tiles of wide tiles whose expert ends 1, 64, 65, 128 rows in,

@@ -801,6 +801,22 @@ def test_plans_name_a_bare_int_block_size():
         gemm((x, w, ws, 16, None, None))
 
 
+def test_grouped_gemm_clamps_negative_offsets_into_the_rows():
+    # grouped_mm on CUDA checks no offset values: a negative one started a row tile before
+    # row 0, whose loads and stores ran outside x and out (heap corruption here)
+    gen = torch.Generator().manual_seed(9)
+    E, N, K, S, block = 4, 24, 32, 6, [16, 16]
+    w, ws = make_expert_weights(E, N, K, block, gen=gen)
+    x = torch.randn(S, K, generator=gen).to(torch.bfloat16)
+    q, qs = moe._quantize(x, 16, S)
+    for given, clamped in (([-1] * 4, [0] * 4), ([-3, -1, 4, 6], [0, 0, 4, 6])):
+        rows = torch.full((3 * S, N), 7.0, dtype=torch.bfloat16)  # canary rows around out
+        moe.launch(moe._gemm_call(q, qs, w, ws, block, rows[S:2 * S], offsets=torch.tensor(given, dtype=torch.int32)))
+        assert (rows[:S] == 7).all() and (rows[2 * S:] == 7).all()
+        want = kernels.grouped_mm(x, w, ws, torch.tensor(clamped, dtype=torch.int32), block)
+        assert torch.equal(rows[S:2 * S], want)
+
+
 def test_block_k_not_a_multiple_of_16_is_named():
     # the fp8 dot's smallest K: the Triton kernels' entry refuses a smaller bk by name
     w, ws = make_expert_weights(1, 32, 32, [16, 8], gen=torch.Generator().manual_seed(5))

@@ -71,9 +71,9 @@ def gated_act_quant(h_ptr, stride_hm, q_ptr, s_ptr, act_scale_ptr, rows, rmask, 
     base = h_ptr + rows.to(tl.int64)[:, None] * stride_hm + cols[None, :]
     gate = tl.load(base, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
     up = tl.load(base + I, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-    if HAS_LIMIT:
-        gate = tl.minimum(gate, limit)
-        up = tl.clamp(up, -limit, limit)
+    if HAS_LIMIT:  # a NaN stays NaN, as in torch (the GPU's plain min / max return the other operand)
+        gate = tl.minimum(gate, limit, propagate_nan=tl.PropagateNan.ALL)
+        up = tl.clamp(up, -limit, limit, propagate_nan=tl.PropagateNan.ALL)
     a = round_to(_apply_activation(gate, ACT) * up, h_ptr.dtype.element_ty).to(tl.float32)
     a = tl.where(mask, a, 0.0)
     # its scales row-major, (S, ceil(I/GROUP)) contiguous: the down GEMM's layout (experts._kmajor_scales)

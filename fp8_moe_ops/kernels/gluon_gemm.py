@@ -30,6 +30,12 @@ def _add_max(a0, a1, b0, b1):
 
 
 @gluon.jit
+def _clamped(offset, S):
+    """An offset as int32 in [0, S]."""
+    return gl.minimum(gl.maximum(offset.to(gl.int32), 0), S)
+
+
+@gluon.jit
 def _expert_tiles(offsets_ptr, S, E, BM: gl.constexpr, EP: gl.constexpr):
     """What the tile map needs of ``offsets`` beyond two of its entries, the same for
     every tile of a launch: the inclusive cumsum of the experts' row tiles (in ``EP``
@@ -37,9 +43,10 @@ def _expert_tiles(offsets_ptr, S, E, BM: gl.constexpr, EP: gl.constexpr):
     lay: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
     eo = gl.arange(0, EP, layout=lay)
     emask = eo < E
-    # int32 whatever the offsets' dtype (TMA coordinates are 32-bit)
-    ends = gl.minimum(gl.load(offsets_ptr + eo, mask=emask, other=0).to(gl.int32), S)
-    starts = gl.minimum(gl.load(offsets_ptr + eo - 1, mask=emask & (eo > 0), other=0).to(gl.int32), S)
+    # int32 whatever the offsets' dtype (TMA coordinates are 32-bit), clamped into [0, S]
+    # (grouped_mm on CUDA checks no values)
+    ends = _clamped(gl.load(offsets_ptr + eo, mask=emask, other=0), S)
+    starts = _clamped(gl.load(offsets_ptr + eo - 1, mask=emask & (eo > 0), other=0), S)
     tiles = (gl.maximum(ends - starts, 0) + BM - 1) // BM
     return gl.associative_scan(tiles, 0, _add), gl.sum(tiles, 0), gl.max(ends, 0)
 
@@ -84,8 +91,8 @@ def _tile_rows(pid_m, cum, total, last, offsets_ptr, S, E, BM: gl.constexpr):
     passed = cum <= pid_m
     e, before = gl.reduce((passed.to(gl.int32), gl.where(passed, cum, 0)), 0, _add_max)
     e = gl.minimum(e, E - 1)
-    row0 = gl.minimum(gl.load(offsets_ptr + e - 1, mask=e > 0, other=0).to(gl.int32), S) + (pid_m - before) * BM
-    row1 = gl.minimum(gl.load(offsets_ptr + e).to(gl.int32), S)
+    row0 = _clamped(gl.load(offsets_ptr + e - 1, mask=e > 0, other=0), S) + (pid_m - before) * BM
+    row1 = _clamped(gl.load(offsets_ptr + e), S)
     tail = pid_m >= total
     row0 = gl.where(tail, _tail_row0(pid_m, total, last, BM), row0)
     row1 = gl.where(tail, S, row1)

@@ -155,8 +155,9 @@ def _grouped_gemm_kernel(
     elif HAS_OFFSETS:
         eo = tl.arange(0, EP)
         emask = eo < E
-        ends = tl.minimum(tl.load(offsets_ptr + eo, mask=emask, other=0), S)
-        starts = tl.minimum(tl.load(offsets_ptr + eo - 1, mask=emask & (eo > 0), other=0), S)
+        # clamped into [0, S]: the caller's offsets (grouped_mm on CUDA checks no values)
+        ends = tl.minimum(tl.maximum(tl.load(offsets_ptr + eo, mask=emask, other=0), 0), S)
+        starts = tl.minimum(tl.maximum(tl.load(offsets_ptr + eo - 1, mask=emask & (eo > 0), other=0), 0), S)
         tiles = tl.cdiv(tl.maximum(ends - starts, 0), BM)
         cum = tl.cumsum(tiles, 0)
         total = tl.sum(tiles, 0)
