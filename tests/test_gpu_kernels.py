@@ -458,6 +458,21 @@ def layer_weights(request):
 
 
 @LARGE_WEIGHTS
+def test_column_major_x_past_2_to_the_31_elements_reads_in_bounds():
+    # the quantisation's column offset times x's K stride was 32-bit: a column-major x of
+    # 300k rows at K = 7168 ((K - 1) * S > 2^31) read outside x
+    S, K, N = 300_000, 7168, 128
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    x = torch.randn(K, S, device="cuda", dtype=torch.bfloat16, generator=gen).t()  # strides (1, S)
+    w, ws = make_expert_weights(1, N, K, [128, 128], std=0.05, gen=torch.Generator().manual_seed(11))
+    w, ws = w[0].cuda(), ws[0].cuda()
+    got = OPS.linear(x, w, ws, [128, 128])
+    want = OPS.linear(x.contiguous(), w, ws, [128, 128])
+    del x
+    assert torch.equal(got, want)
+
+
+@LARGE_WEIGHTS
 @pytest.mark.parametrize("T", [1, 64, 512, 4096, 16384])
 def test_shipped_configs_agree_with_the_checked_small_config(layer_weights, T, monkeypatch):
     # Same K steps, so every config must agree with BM = 16 to rounding.

@@ -141,6 +141,21 @@ def test_negative_offsets_are_clamped_into_the_rows(gluon, ws_launches):
     assert torch.equal(rows[S:2 * S], OPS.grouped_mm(x, w, ws, clamped, block))
 
 
+def test_no_experts_run_the_triton_kernel_and_give_zeros(ws_launches):
+    # E = 0 (an expert-parallel rank without local experts) at a prefill shape: the Gluon
+    # kernel's TMA descriptor of an empty weight raised; the Triton kernel stores zeros
+    gen, x, w, ws, _, block = _gemm_inputs("prime E, N and K not multiples of 128", False, "f32", torch.bfloat16, 17)
+    w, ws = w[:0], ws[:0]
+    offsets = torch.zeros(0, dtype=torch.int32)
+    got = OPS.grouped_mm(*_cuda(x, w, ws, offsets), block)
+    args = make_experts_inputs(3001, 1, 1040, 256, 2, [128, 128], seed=17)  # its ids are sentinels once E = 0
+    args.update({name: args[name][:0] for name in ("gate_up_proj", "gate_up_scale_inv", "down_proj", "down_scale_inv")})
+    out = OPS.grouped_experts(**{name: _cuda(v)[0] for name, v in args.items()})
+    assert len(ws_launches) == 0
+    assert torch.equal(got.cpu(), OPS.grouped_mm(x, w, ws, offsets, block)) and not got.any()
+    assert torch.equal(out.cpu(), OPS.grouped_experts(**args)) and not out.any()
+
+
 # rows per expert: row tiles of wide tiles whose expert ends 1, 64, 65, 128 rows in,
 # an empty expert, and one of 50 rows alone
 WIDE_ROWS = [1, 64, 65, 0, 128, 129, 192, 193, 50]

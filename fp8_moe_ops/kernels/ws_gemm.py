@@ -146,7 +146,9 @@ def usable(device: torch.device, w: torch.Tensor, w_scale: torch.Tensor, block: 
     3.6 or 3.7 (:data:`AVAILABLE`) on an sm_90 GPU (not the
     interpreter) for an entry that names a ``ws_min_k`` or has 128 x 128 tiles, without
     split K, with one weight scale per tile and K step, K a multiple of 16 and ``w``
-    contiguous and 16-byte aligned (TMA).  A must also pass :func:`tma_ready`."""
+    contiguous, 16-byte aligned and not empty (TMA; an op of no experts, as an
+    expert-parallel rank without local ones, runs the Triton kernel, which stores zeros).
+    A must also pass :func:`tma_ready`."""
     K = w.shape[2]
     override = mode()
     chosen = cfg.get("ws_min_k") is not None and K >= cfg["ws_min_k"]
@@ -157,9 +159,9 @@ def usable(device: torch.device, w: torch.Tensor, w_scale: torch.Tensor, block: 
     if cfg.get("SPLIT", 1) != 1 or (cfg.get("ws_min_k") is None and (cfg["BM"] != TILE or cfg["BN"] != TILE)):
         return False
     bn, bk = block
-    return ((bn % TILE == 0 or w_scale.shape[1] == 1) and bk % TILE == 0 and K % 16 == 0 and w.is_contiguous()
-            and w.data_ptr() % 16 == 0 and _sm90(device.index if device.index is not None else
-                                                 torch.cuda.current_device()))
+    return ((bn % TILE == 0 or w_scale.shape[1] == 1) and bk % TILE == 0 and K % 16 == 0 and w.numel() > 0
+            and w.is_contiguous() and w.data_ptr() % 16 == 0
+            and _sm90(device.index if device.index is not None else torch.cuda.current_device()))
 
 
 def tma_ready(t: torch.Tensor) -> bool:
