@@ -817,6 +817,19 @@ def test_grouped_gemm_clamps_negative_offsets_into_the_rows():
         assert torch.equal(rows[S:2 * S], want)
 
 
+def test_activations_whose_column_offsets_pass_int32_are_read_dense():
+    # the quantisation's column offsets are 32-bit: a column-major x of 300k rows at
+    # K = 7168 ((K - 1) * stride(1) >= 2^31) read outside x; its sources copy it dense
+    huge = torch.empty_strided((2, 7168), (1, 300_000), device="meta")
+    assert moe.activation_source(huge).stride() == (7168, 1)
+    small = torch.empty_strided((2, 7168), (1, 2), device="meta")  # column-major, in range: read as it is
+    assert moe.activation_source(small) is small
+    assert gemms._sources("linear", (huge, torch.empty(3, 7168, device="meta"), torch.empty(1, 56, device="meta"),
+                                     [128, 128], None, None))["x"].is_contiguous()
+    assert experts.routing_sources(huge, torch.empty(2, 1, dtype=torch.int64), torch.empty(2, 1), None,
+                                   None)["hidden"].is_contiguous()
+
+
 def test_block_k_not_a_multiple_of_16_is_named():
     # the fp8 dot's smallest K: the Triton kernels' entry refuses a smaller bk by name
     w, ws = make_expert_weights(1, 32, 32, [16, 8], gen=torch.Generator().manual_seed(5))

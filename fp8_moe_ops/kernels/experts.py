@@ -51,7 +51,7 @@ from .config import gemm_config
 from .launch import KernelCall, launch
 from .grouped_gemm import max_row_tiles
 from .moe import (Combine, Gated, TileMap, _block, _flat, _gemm_call, _large_sort_calls, _quant_call, _scale_bytes,
-                  down_split, large_sort_hist_shape)
+                  activation_source, down_split, large_sort_hist_shape)
 from .plans import Layout, Plans, planned
 from .quant import quant_launch_shape, scale_grid_strides
 from .sort import CNT_STEP, MAX_SLOTS, _sort_quant_kernel, sort_launch_shape, tile_map_size
@@ -158,7 +158,8 @@ def routing_sources(hidden, top_k_index, top_k_weights, gate_up_act_scale, down_
     gate_up_act_scale, down_act_scale = _flat(gate_up_act_scale), _flat(down_act_scale)
     if down_act_scale is not None and down_act_scale is gate_up_act_scale:
         down_act_scale = down_act_scale.view(down_act_scale.shape)
-    return dict(hidden=hidden, top_k_index=top_k_index.contiguous(), top_k_weights=top_k_weights.contiguous(),
+    return dict(hidden=activation_source(hidden), top_k_index=top_k_index.contiguous(),
+                top_k_weights=top_k_weights.contiguous(),
                 gate_up_act_scale=gate_up_act_scale, down_act_scale=down_act_scale)
 
 

@@ -24,7 +24,8 @@ import torch
 
 from ..functional import cdiv
 from .launch import KernelCall, launch
-from .moe import _block, _flat, _gemm_call, _large_sort_calls, _quant_call, _scale_bytes, large_sort_hist_shape
+from .moe import (_block, _flat, _gemm_call, _large_sort_calls, _quant_call, _scale_bytes, activation_source,
+                  large_sort_hist_shape)
 from .plans import Layout, Plans
 from .sort import MAX_SLOTS, _sort_kernel, sort_launch_shape
 
@@ -38,7 +39,7 @@ def _sources(name: str, args: tuple) -> dict:
     x, w, w_scale_inv = args[:3]
     if name == "linear":
         w, w_scale_inv = w.unsqueeze(0), w_scale_inv.unsqueeze(0)
-    sources = dict(x=x, w=w, w_scale_inv=_scale_bytes(w_scale_inv))
+    sources = dict(x=activation_source(x), w=w, w_scale_inv=_scale_bytes(w_scale_inv))
     if name == "grouped_mm":
         sources["offsets"] = _flat(args[3])
     elif name == "batched_mm":

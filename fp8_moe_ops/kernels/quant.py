@@ -273,9 +273,8 @@ def quant_block(pid_r, pid_g, x_ptr, stride_xm, stride_xk, q_ptr, s_ptr, stride_
             cols = g * GROUP + cg
             cmask = (cg < GROUP) & (cols < K)
             mask = rmask[:, None] & cmask[None, :]
-            # both terms in 64 bits: a column-major x's (K - 1) * stride_xk passes 2^31 from 300k rows at K = 7168
-            x = tl.load(x_ptr + src.to(tl.int64)[:, None] * stride_xm + cols.to(tl.int64)[None, :] * stride_xk,
-                        mask=mask, other=0.0).to(tl.float32)
+            x = tl.load(x_ptr + src.to(tl.int64)[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask,
+                        other=0.0).to(tl.float32)
             if SLOTS:
                 q_ptrs = q_ptr + out_rows[:, :, None] * K + cols[None, None, :]
                 qmask = smask[:, :, None] & cmask[None, None, :]
