@@ -109,9 +109,9 @@ def test_each_scheme_case_draws_weights_scales_then_inputs_per_model(common, mon
         for i, T in enumerate(tokens):
             inputs = common.layer_inputs(model, T, gen, device="cpu")
             dynamic, static = calls[first + 2 * i], calls[first + 2 * i + 1]
-            assert all(torch.equal(a, b) for a, b in zip(dynamic[2], w)) and dynamic[2] is static[2]
-            assert all(torch.equal(a, b) for a, b in zip(dynamic[3], inputs)) and dynamic[3] is static[3]
-            assert dynamic[5] == (None, None) and all(torch.equal(a, b) for a, b in zip(static[5], scales))
+            assert all(torch.equal(a, b) for a, b in zip(dynamic[2], w, strict=True)) and dynamic[2] is static[2]
+            assert all(torch.equal(a, b) for a, b in zip(dynamic[3], inputs, strict=True)) and dynamic[3] is static[3]
+            assert dynamic[5] == (None, None) and all(torch.equal(a, b) for a, b in zip(static[5], scales, strict=True))
 
 
 def test_floor_is_the_larger_term(common):
@@ -607,6 +607,7 @@ with tempfile.TemporaryDirectory() as d:
     print({v: kr.resources(call._replace(kernel=kernels[v])) for v in ("no_rescale+no_loads", "no_store")})
 """
     res = printed_by_fresh_process(code)
+    assert set(res) == {"no_rescale+no_loads", "no_store"}
     assert all(r["kernel"] == "_ws_gemm_kernel" and r["spill_bytes"] == 0 for r in res.values())
 
 

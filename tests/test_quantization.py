@@ -69,7 +69,15 @@ def test_quantize_weight(shape, block, scale_dtype):
     assert q.dtype == E4M3 and q.shape == w.shape
     assert s.dtype == scale_dtype and s.shape == tuple(shape[:-2]) + grid
     sf = s.float()
-    assert (sf > 0).all()
+    # each block's scale from w itself, as documented: amax / 448 (UE8M0: the power of two
+    # at or above it), 1 for the all-zero block
+    (N, K), (bn, bk) = shape[-2:], block
+    padded = torch.nn.functional.pad(w.abs(), (0, grid[1] * bk - K, 0, grid[0] * bn - N))
+    amax = padded.reshape(*shape[:-2], grid[0], bn, grid[1], bk).amax(dim=(-3, -1))
+    want = amax / 448
+    if scale_dtype == torch.float8_e8m0fnu:
+        want = torch.exp2(torch.ceil(torch.log2(want)))
+    assert torch.equal(sf, torch.where(amax == 0, 1.0, want))
     full = reference._expand_scale_grid(sf, shape[-2:], block)
     # bitwise: the stored fp8 is torch's cast of w / its block scale
     assert torch.equal(q.view(torch.uint8), (w / full).clamp(-448, 448).to(E4M3).view(torch.uint8))
