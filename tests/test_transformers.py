@@ -361,6 +361,20 @@ def test_quantize_experts_close_to_bf16(scheme):
     assert rel_err(logits(model, ids), logits(ref, ids)) < LOGITS_BOUND
 
 
+def test_quantize_experts_calibrates_on_mapping_and_tuple_batches():
+    # a tokenizer's BatchEncoding (a mapping) runs as model(**batch), (input_ids,
+    # attention_mask) as model(*batch): the same scales as the bare input_ids
+    ref = bf16_model()
+    ids = batches(1)[0]
+    mask = torch.ones_like(ids)
+    want = integration.quantize_experts(copy.deepcopy(ref), "static", [ids], block_size=(32, 32))
+    for batch in ({"input_ids": ids, "attention_mask": mask}, (ids, mask)):
+        model = integration.quantize_experts(copy.deepcopy(ref), "static", [batch], block_size=(32, 32))
+        got, expected = model.model.layers[0].mlp.experts, want.model.layers[0].mlp.experts
+        assert torch.equal(got.gate_up_proj_activation_scale, expected.gate_up_proj_activation_scale)
+        assert torch.equal(got.down_proj_activation_scale, expected.down_proj_activation_scale)
+
+
 def test_quantize_experts_compiles_fullgraph():
     ref = bf16_model()
     model = integration.quantize_experts(copy.deepcopy(ref), "static", batches(), block_size=(32, 32))

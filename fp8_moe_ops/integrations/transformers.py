@@ -423,7 +423,8 @@ def quantize_experts(
         setattr(parent, name, new_experts[child])
     if activation_scheme == "static":
         try:
-            calibrate_static_scales(_Scoped(model, list(new_experts.values())), ((b,) for b in calibration_batches))
+            # each batch run as model(**batch), model(*batch) or model(batch): calibrate_static_scales' rule
+            calibrate_static_scales(_Scoped(model, list(new_experts.values())), calibration_batches)
         except BaseException:
             for parent, name, child in places:  # the model as it was: the call can be retried
                 setattr(parent, name, child)
