@@ -407,6 +407,7 @@ def test_address_tables_of_moved_or_churning_storages_are_dropped(monkeypatch):
     monkeypatch.setattr(moe_list, "MIN_SWEEP", 4)
     monkeypatch.setattr(moe_list, "_sweep_at", 4)
     monkeypatch.setattr(moe_list, "MAX_TABLES", 8)
+    monkeypatch.setattr(moe_list, "_RETIRED", [])
     cpu = torch.device("cpu")
     a = _lists()
     gate_up, gate_up_s, down_s = a["gate_up_proj"], a["gate_up_scale_inv"], a["down_scale_inv"]
@@ -429,12 +430,20 @@ def test_address_tables_of_moved_or_churning_storages_are_dropped(monkeypatch):
         m.setattr(moe_list, "_capturing", lambda device: True)
         moe_list.address_table((gate_up, gate_up_s, [pool[i] for i in (0, 1, 2, 3)], down_s), cpu)
     assert captured.captured
+    evictions = 0
     for _, arrangement in zip(range(40), slots):
         views = [pool[i] for i in arrangement]
         table = moe_list.address_table((gate_up, gate_up_s, views, down_s), cpu).table
         assert table[8:12].tolist() == [v.data_ptr() for v in views]  # after 4 + 4 gate_up entries
         assert sum(not t.captured for t in moe_list._TABLES.values()) <= 8
-    assert entry not in moe_list._TABLES.values() and captured in moe_list._TABLES.values()
+        # live tables evicted are held until the next sweep (a thread may have looked one up just before)
+        retired = [t for _, t in moe_list._RETIRED]
+        assert not any(t in moe_list._TABLES.values() for t in retired)
+        evictions += bool(retired)
+    assert evictions and entry not in moe_list._TABLES.values() and captured in moe_list._TABLES.values()
+    monkeypatch.setattr(moe_list, "MAX_TABLES", 1000)
+    moe_list._sweep()  # nothing to evict: the retired ones go
+    assert moe_list._RETIRED == []
 
 
 def test_address_table_knows_unaligned_weights():

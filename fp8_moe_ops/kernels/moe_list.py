@@ -25,9 +25,10 @@ drops every table one of whose storages has been freed or has moved (freed in pl
 and allocated again, ``untyped_storage().resize_``).  Past ``MAX_TABLES`` tables of live
 storages (expert weights moved between the slots of a buffer pool make a new set of
 addresses per arrangement), it also drops the oldest built until half that many are
-left.  A table a CUDA graph has captured is kept (the graph replays against it), and
-the GPU is synchronised before a CUDA table is freed (a kernel on another stream may
-still read it).  So the cache holds the live sets of tensors, the captured ones, and at
+left (each kept until the next sweep: a thread may have looked it up just before).  A
+table a CUDA graph has captured is kept (the graph replays against it), and the GPU is
+synchronised before a CUDA table is freed (a kernel on another stream may still read
+it).  So the cache holds the live sets of tensors, the captured ones, and at
 most as many again, and never more than ``MAX_TABLES`` uncaptured ones.
 
 Gate and up as separate lists (2E matrices: every gate, then every up) are one
@@ -68,8 +69,11 @@ class Table:
     def freed(self) -> bool:
         """Whether the storage of one of the tensors has been freed, or has moved (freed
         in place and allocated again: its tensors' addresses are not the table's)."""
-        return any(ref.expired() or torch.UntypedStorage._new_with_weak_ptr(ref.cdata).data_ptr() != base
-                   for ref, base in self.storages)
+        for ref, base in self.storages:
+            storage = torch.UntypedStorage._new_with_weak_ptr(ref.cdata)  # None once freed (by any thread)
+            if storage is None or storage.data_ptr() != base:
+                return True
+        return False
 
 
 # (device, list lengths, every tensor's address) -> its Table
@@ -78,6 +82,9 @@ _LOCK = threading.Lock()  # builds and drops tables; lookups go without it
 MIN_SWEEP = 64  # tables cached before the first look for freed ones
 MAX_TABLES = 1024  # uncaptured tables of live storages kept at most (a model has one or two per layer)
 _sweep_at = MIN_SWEEP  # a build looks for freed tables once this many are cached
+# (device, Table) of live tables dropped past MAX_TABLES: a thread may have looked one up
+# just before, so each is kept until the next sweep has synchronised its device
+_RETIRED: list[tuple] = []
 
 _data_ptr = torch.Tensor.data_ptr
 
@@ -88,18 +95,20 @@ def _capturing(device: torch.device) -> bool:
 
 def _sweep() -> None:
     """Drops the tables whose storages are not all alive and in place any more, then,
-    while ``MAX_TABLES`` or more are left, the oldest built, but never a captured one
-    (under ``_LOCK``)."""
+    while ``MAX_TABLES`` or more are left, the oldest built (retired: freed at the next
+    sweep), but never a captured one (under ``_LOCK``)."""
     global _sweep_at
     uncaptured = [key for key, entry in _TABLES.items() if not entry.captured]
-    drop = {key for key in uncaptured if _TABLES[key].freed()}
-    if len(uncaptured) - len(drop) >= MAX_TABLES:  # live storages at ever new addresses
-        oldest = [key for key in uncaptured if key not in drop]
-        drop.update(oldest[:len(oldest) - MAX_TABLES // 2])
-    for device in {key[0] for key in drop if key[0].type == "cuda"}:
+    stale = {key for key in uncaptured if _TABLES[key].freed()}
+    live = [key for key in uncaptured if key not in stale]
+    evicted = live[:len(live) - MAX_TABLES // 2] if len(live) >= MAX_TABLES else []  # ever new addresses
+    devices = {key[0] for key in (*stale, *evicted)} | {device for device, _ in _RETIRED}
+    for device in {d for d in devices if d.type == "cuda"}:
         torch.cuda.synchronize(device)  # no kernel on any stream reads them any more
-    for key in drop:
+    _RETIRED.clear()
+    for key in stale:
         del _TABLES[key]
+    _RETIRED.extend((key[0], _TABLES.pop(key)) for key in evicted)
     _sweep_at = min(max(MIN_SWEEP, 2 * len(_TABLES)), MAX_TABLES)
 
 
@@ -122,7 +131,9 @@ def address_table(lists: tuple, device: torch.device) -> Table:
     entry = _TABLES.get(key)
     if entry is not None:
         if not entry.captured and _capturing(device):
-            entry.captured = True  # a graph replays against it: never dropped
+            with _LOCK:  # a graph replays against it: never dropped (back in the cache if just evicted)
+                entry.captured = True
+                _TABLES[key] = entry
         return entry
     if _capturing(device):
         raise RuntimeError(
