@@ -843,18 +843,21 @@ def test_plans_check_unhashable_and_equal_valued_arguments():
     # checks refuse (True for 1.0, 16.0 for 16: equal keys) replayed without its check
     from fp8_moe_ops import ops
 
-    args = list(_positional(*_experts_args("sentinels", torch.bfloat16, torch.float32, False, seed=72)))
+    case = (12, 5, 48, 24, 3, [16, 32], "sentinel")  # bn != bk: a dict of the two as keys unpacks as the block
+    args = list(_positional(*_experts_args(case, torch.bfloat16, torch.float32, False, seed=72)))
     args[11] = 1.0  # swiglu_limit
     x, w, ws, (bn, bk) = args[0], args[3][0], args[4][0], args[7]
     stacked, gemm = kernels.StackedPlans(ops.check_experts), kernels.GemmPlans("linear", ops.check_linear)
     for _ in range(3):  # the plans recorded and remembered behind their guards
         stacked(tuple(args)), gemm((x, w, ws, [bn, bk], None, None))
+    keys = dict.fromkeys([bn, bk])  # equal to the remembered block's values once unpacked
     for i, value, match, exc in ((7, {0: bn, 1: bk}, "block_size", TypeError), (8, ["silu"], "activation", ValueError),
                                  (11, [1.0], "swiglu_limit", TypeError), (11, True, "swiglu_limit", TypeError),
-                                 (7, [float(bn), bk], "block_size", TypeError)):
+                                 (7, [float(bn), bk], "block_size", TypeError), (7, keys, "block_size", TypeError),
+                                 (7, [bn], "block_size", ValueError)):
         with pytest.raises(exc, match=f"^{match}: expected"):
             stacked((*args[:i], value, *args[i + 1:]))
-    for block in ({0: bn, 1: bk}, [float(bn), bk]):
+    for block in ({0: bn, 1: bk}, [float(bn), bk], keys):
         with pytest.raises(TypeError, match="^block_size: expected"):
             gemm((x, w, ws, block, None, None))
 

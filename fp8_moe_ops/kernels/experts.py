@@ -374,9 +374,11 @@ class StackedPlans(Plans):
     FED = FED
 
     def cheap_key(self, args: tuple, gluon) -> tuple:
-        # the values' types too: 1, 1.0 and True are equal keys, and the checks refuse some of them
-        return (args[0].shape, *args[7], *map(type, args[7]), args[8], args[11], type(args[11]), args[9] is None,
-                args[10] is None, gluon)
+        # the values' types too (as attributes: a few tens of ns less than type()): 1, 1.0 and True
+        # are equal keys, and the checks refuse some of them, as a dict whose keys are the block
+        block, limit = args[7], args[11]
+        return (args[0].shape, *block, args[8], limit, args[9] is None, args[10] is None, gluon, block.__class__,
+                block[0].__class__, block[1].__class__, limit.__class__)
 
     def sources(self, args: tuple) -> dict:
         return _stacked_sources(args)

@@ -168,7 +168,9 @@ class GemmPlans(Plans):
         self.ARG_NAMES = tuple(a.name for a in getattr(torch.ops.fp8_moe, name).default._schema.arguments)
 
     def cheap_key(self, args: tuple, gluon) -> tuple:
-        return (args[0].shape, *args[-3], *map(type, args[-3]), args[-2] is None, args[-1], gluon)  # (as StackedPlans)
+        block = args[-3]  # with its types, as StackedPlans' key
+        return (args[0].shape, *block, args[-2] is None, args[-1], gluon, block.__class__, block[0].__class__,
+                block[1].__class__)
 
     def sources(self, args: tuple) -> dict:
         return _sources(self.name, args)

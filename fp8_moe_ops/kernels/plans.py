@@ -600,8 +600,8 @@ class Plans:
         try:
             cheap = self.cheap_key(args, gluon)
             remembered = self._replays.get(cheap, ())
-        except TypeError:  # an argument the checks below refuse, naming it (a bare int block size, a dict)
-            cheap, remembered = None, ()
+        except (TypeError, LookupError):  # an argument the checks below refuse, naming it (a bare int or one
+            cheap, remembered = None, ()   # value as block size, an unhashable value)
         guarded = False  # whether a remembered call's guard passed (its plan did not replay)
         for guard, tensors_of, sources_of, plan in reversed(remembered):
             if guard(*tensors_of(args)):
