@@ -398,7 +398,7 @@ def test_address_tables_of_moved_or_churning_storages_are_dropped(monkeypatch):
     # a storage freed in place and allocated again (FSDP's resize_) lives on at a new
     # address: its table is stale and dropped; live storages at ever new addresses
     # (expert weights moved between the slots of a buffer pool) keep at most MAX_TABLES
-    # uncaptured tables, and a captured one stays
+    # uncaptured tables, evicting the least recently used; a captured one stays
     import itertools
 
     from fp8_moe_ops.kernels import moe_list
@@ -430,8 +430,11 @@ def test_address_tables_of_moved_or_churning_storages_are_dropped(monkeypatch):
         m.setattr(moe_list, "_capturing", lambda device: True)
         moe_list.address_table((gate_up, gate_up_s, [pool[i] for i in (0, 1, 2, 3)], down_s), cpu)
     assert captured.captured
+    model = (gate_up, gate_up_s, a["down_proj"], down_s)
+    in_use = moe_list.address_table(model, cpu)  # looked up at every step: never the least recently used
     evictions = 0
     for _, arrangement in zip(range(40), slots):
+        assert moe_list.address_table(model, cpu) is in_use
         views = [pool[i] for i in arrangement]
         table = moe_list.address_table((gate_up, gate_up_s, views, down_s), cpu).table
         assert table[8:12].tolist() == [v.data_ptr() for v in views]  # after 4 + 4 gate_up entries

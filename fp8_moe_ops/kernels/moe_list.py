@@ -24,8 +24,8 @@ their addresses, and building a table, once the cache has doubled since the last
 drops every table one of whose storages has been freed or has moved (freed in place
 and allocated again, ``untyped_storage().resize_``).  Past ``MAX_TABLES`` tables of live
 storages (expert weights moved between the slots of a buffer pool make a new set of
-addresses per arrangement), it also drops the oldest built until half that many are
-left (each kept until the next sweep: a thread may have looked it up just before).  A
+addresses per arrangement), it also drops the least recently used until half that many
+are left (each kept until the next sweep: a thread may have looked it up just before).  A
 table a CUDA graph has captured is kept (the graph replays against it), and the GPU is
 synchronised before a CUDA table is freed (a kernel on another stream may still read
 it).  So the cache holds the live sets of tensors, the captured ones, and at
@@ -40,6 +40,7 @@ weights, so the op equals ``grouped_experts`` on the stacked tensors bitwise.
 
 from __future__ import annotations
 
+import itertools
 import threading
 
 import torch
@@ -57,14 +58,16 @@ __all__ = ["grouped_experts_list"]
 class Table:
     """A cached address table: the int64 device tensor, whether every weight address is
     a multiple of 16 bytes, its views over the four lists (kept, not sliced per call),
-    weak references to the tensors' storages, and whether a CUDA graph captured it."""
+    weak references to the tensors' storages, whether a CUDA graph captured it, and
+    when it was last looked up (a tick of ``_USES``)."""
 
-    __slots__ = ("table", "aligned", "parts", "storages", "captured")
+    __slots__ = ("table", "aligned", "parts", "storages", "captured", "used")
 
     def __init__(self, table: torch.Tensor, aligned: bool, tensors: list[torch.Tensor], lengths: tuple):
         self.table, self.aligned, self.parts = table, aligned, tuple(table.split(lengths))
         self.storages = [(StorageWeakRef(s), s.data_ptr()) for s in (t.untyped_storage() for t in tensors)]
         self.captured = False
+        self.used = next(_USES)
 
     def freed(self) -> bool:
         """Whether the storage of one of the tensors has been freed, or has moved (freed
@@ -82,6 +85,7 @@ _LOCK = threading.Lock()  # builds and drops tables; lookups go without it
 MIN_SWEEP = 64  # tables cached before the first look for freed ones
 MAX_TABLES = 1024  # uncaptured tables of live storages kept at most (a model has one or two per layer)
 _sweep_at = MIN_SWEEP  # a build looks for freed tables once this many are cached
+_USES = itertools.count()  # ticks of the lookups: eviction takes the least recently used
 # (device, Table) of live tables dropped past MAX_TABLES: a thread may have looked one up
 # just before, so each is kept until the next sweep has synchronised its device
 _RETIRED: list[tuple] = []
@@ -95,12 +99,12 @@ def _capturing(device: torch.device) -> bool:
 
 def _sweep() -> None:
     """Drops the tables whose storages are not all alive and in place any more, then,
-    while ``MAX_TABLES`` or more are left, the oldest built (retired: freed at the next
-    sweep), but never a captured one (under ``_LOCK``)."""
+    while ``MAX_TABLES`` or more are left, the least recently used (retired: freed at the
+    next sweep), but never a captured one (under ``_LOCK``)."""
     global _sweep_at
     uncaptured = [key for key, entry in _TABLES.items() if not entry.captured]
     stale = {key for key in uncaptured if _TABLES[key].freed()}
-    live = [key for key in uncaptured if key not in stale]
+    live = sorted((key for key in uncaptured if key not in stale), key=lambda key: _TABLES[key].used)
     evicted = live[:len(live) - MAX_TABLES // 2] if len(live) >= MAX_TABLES else []  # ever new addresses
     devices = {key[0] for key in (*stale, *evicted)} | {device for device, _ in _RETIRED}
     for device in {d for d in devices if d.type == "cuda"}:
@@ -130,6 +134,7 @@ def address_table(lists: tuple, device: torch.device) -> Table:
     key = (device, lengths, ptrs)
     entry = _TABLES.get(key)
     if entry is not None:
+        entry.used = next(_USES)
         if not entry.captured and _capturing(device):
             with _LOCK:  # a graph replays against it: never dropped (back in the cache if just evicted)
                 entry.captured = True
