@@ -44,8 +44,9 @@ def _flat(t: torch.Tensor | None) -> torch.Tensor | None:
 
 def activation_source(x: torch.Tensor) -> torch.Tensor:
     """x as the quantisation reads it: itself, or a dense copy where its column offsets
-    (``(K - 1) * stride(1)``, 32-bit in the kernel: 64-bit offsets cost its loads 4.5 %
-    more instructions) would pass 2^31, as a column-major x of 300k rows at K = 7168."""
+    (``(K - 1) * stride(1)``, 32-bit in the kernel: 64-bit offsets cost its launches up to
+    4.5 % more instructions, docs/benchmarks.md) would pass 2^31, as a column-major x of
+    300k rows at K = 7168."""
     if (x.shape[1] - 1) * x.stride(1) < 2**31:
         return x
     return x.contiguous()
